@@ -1,0 +1,180 @@
+"""Throwaway plugins the host's tests register (never installed)."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from trl_credit import hookimpl
+
+
+class Passthrough:
+    """Observes every batch; changes nothing (forces the host's pipeline)."""
+
+    def __init__(self, config=None):
+        self.batches = 0
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        self.batches += 1
+
+
+class AddBonus:
+    """Adds a named reward column."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        bonus: float = Field(0.5, description="value of the new column")
+        column: str = Field("bonus", description="column name")
+
+    def __init__(self, config):
+        self.config = config
+
+    @hookimpl
+    def shape_rewards(self, batch):
+        return {self.config.column: torch.full((batch.num_completions,), self.config.bonus)}
+
+
+class DropFirstGroup:
+    """Drops group 0 of every batch."""
+
+    def __init__(self, config=None):
+        pass
+
+    @hookimpl
+    def filter_rollouts(self, batch):
+        keep = torch.ones(batch.num_groups, dtype=torch.bool)
+        keep[0] = False
+        return keep
+
+
+class DropAll:
+    """Drops everything."""
+
+    @hookimpl
+    def filter_rollouts(self, batch):
+        return torch.zeros(batch.num_groups, dtype=torch.bool)
+
+
+class DropConstant:
+    """Drops groups whose total rewards are all equal, with refill."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        refill: bool = Field(True, description="top up")
+        max_refill_rounds: int = Field(3, description="bound")
+
+    def __init__(self, config):
+        self.config = config
+
+    @hookimpl
+    def filter_rollouts(self, batch):
+        r = batch.grouped(batch.total_reward())
+        return (r.max(dim=1).values - r.min(dim=1).values) > 0
+
+
+class TokenCredit:
+    """(N,) -> (N, T): advantage times the token position weight 1..T (masked)."""
+
+    @hookimpl
+    def transform_advantages(self, batch, advantages):
+        positions = torch.arange(1, batch.completion_ids.shape[1] + 1, dtype=torch.float32)
+        return advantages.unsqueeze(1) * positions.unsqueeze(0) * batch.completion_mask
+
+
+class ConstantEstimator:
+    """Every completion gets advantage 1."""
+
+    @hookimpl
+    def compute_advantages(self, batch):
+        return torch.ones(batch.num_completions)
+
+
+class OtherEstimator(ConstantEstimator):
+    """A second estimator."""
+
+
+class Broken:
+    """Returns a wrong shape."""
+
+    @hookimpl
+    def compute_advantages(self, batch):
+        return torch.ones(batch.num_completions + 1)
+
+
+class Raises:
+    """Raises inside a hook."""
+
+    @hookimpl
+    def shape_rewards(self, batch):
+        raise ZeroDivisionError("boom")
+
+
+class MakesNaN:
+    """Returns NaN advantages."""
+
+    @hookimpl
+    def transform_advantages(self, batch, advantages):
+        return advantages * float("nan")
+
+
+class UnknownHook:
+    """Implements a hook that is not in the spec."""
+
+    @hookimpl
+    def compute_advantage(self, batch):  # typo: no such hook
+        return None
+
+
+class NeedsColumn:
+    """Needs a dataset column."""
+
+    def required_columns(self):
+        return ["gold_entities"]
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        pass
+
+
+class Counter:
+    """Stateful: counts batches; state survives checkpoints."""
+
+    def __init__(self, config=None):
+        self.count = 0
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+class PreferLowIndex:
+    """Curriculum: only prompts 0..7 have weight."""
+
+    @hookimpl
+    def prompt_weights(self, stats, step):
+        w = torch.zeros(stats.num_prompts)
+        w[:8] = 1.0
+        return w
+
+
+class Scores:
+    """Reads policy and reference scores and a continuation score; stores them for the test."""
+
+    def __init__(self, config=None):
+        self.seen = {}
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        self.seen["policy_logps"] = batch.policy_logps()
+        self.seen["policy_entropies"] = batch.policy_entropies()
+        self.seen["ref_logps"] = batch.ref_logps()
+        self.seen["completion_ids"] = batch.completion_ids
+        self.seen["completion_mask"] = batch.completion_mask
+        self.seen["continuation"] = batch.continuation_logps(["What is 2 + 2?"], [" 4"], reduce="none")

@@ -1,0 +1,122 @@
+"""Configuration errors: raised before any model loads, naming plugin and key, with a fix."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+import plugins_for_tests as fx
+from trl_credit.config import ConfigError, build_plugins, check_columns, normalize_items
+from trl_credit.plugins import Available, available
+
+
+def fake(**classes) -> dict[str, Available]:
+    return {name: Available(name, f"plugins_for_tests:{cls}", "trl-credit-" + name, "0.1") for name, cls in classes.items()}
+
+
+INSTALLED = fake(add_bonus="AddBonus", drop_constant="DropConstant", constant_estimator="ConstantEstimator",
+                 other_estimator="OtherEstimator", unknown_hook="UnknownHook", needs_column="NeedsColumn")
+
+
+def problems(raw, installed=INSTALLED) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        build_plugins(raw, installed)
+    return info.value.problems
+
+
+def test_items_in_every_form_keep_their_order():
+    items = normalize_items(["a", {"name": "b", "x": 1}, {"c": {"y": 2}}, {"d": None}])
+    assert items == [("a", {}), ("b", {"x": 1}), ("c", {"y": 2}), ("d", {})]
+
+
+def test_enabled_plugins_are_built_in_config_order_with_validated_options():
+    plugins = build_plugins([{"name": "drop_constant", "max_refill_rounds": 5}, "add_bonus",
+                             {"name": "add_bonus", "bonus": 2}], INSTALLED)
+    assert plugins.names == ["drop_constant", "add_bonus", "add_bonus#2"]
+    assert plugins.plugins[0].config.max_refill_rounds == 5
+    assert plugins.plugins[2].config.bonus == 2.0
+    assert plugins.plugins[0].hooks == ["filter_rollouts"]
+
+
+def test_unknown_plugin_suggests_name_lists_installed_and_says_how_to_install():
+    (msg,) = problems(["add_bonnus"])
+    assert "plugins[0] (add_bonnus)" in msg
+    assert "Did you mean 'add_bonus'?" in msg
+    assert "Installed: add_bonus, constant_estimator" in msg
+    assert "pip install trl-credit-add-bonnus" in msg
+
+
+def test_ill_typed_and_unknown_options_name_plugin_and_key():
+    msgs = problems([{"name": "add_bonus", "bonus": "lots", "colour": "red"}])
+    assert any("plugins[0] (add_bonus): option 'bonus'" in m and "valid number" in m for m in msgs)
+    assert any("plugins[0] (add_bonus): option 'colour': unknown option" in m for m in msgs)
+
+
+def test_two_estimators_are_a_startup_error():
+    (msg,) = problems(["constant_estimator", "other_estimator"])
+    assert "two advantage estimators" in msg
+    assert "plugins[0] (constant_estimator), plugins[1] (other_estimator)" in msg
+
+
+def test_hook_not_in_the_spec_is_rejected():
+    (msg,) = problems(["unknown_hook"])
+    assert "plugins[0] (unknown_hook)" in msg and "compute_advantage" in msg
+    assert "unknown hook" in msg.lower()
+
+
+def test_import_failure_is_reported_with_traceback():
+    installed = {"broken": Available("broken", "no_such_module_xyz:Plugin", "trl-credit-broken", "0.1")}
+    (msg,) = problems(["broken"], installed)
+    assert "plugins[0] (broken): importing no_such_module_xyz:Plugin" in msg
+    assert "Traceback" in msg and "ModuleNotFoundError" in msg
+
+
+def test_all_problems_are_collected():
+    msgs = problems(["nope", {"name": "add_bonus", "bonus": "x"}, 42])
+    assert len(msgs) == 1 and "plugins[2]" in msgs[0]  # malformed list is reported first, alone
+    msgs = problems(["nope", {"name": "add_bonus", "bonus": "x"}])
+    assert len(msgs) == 2
+
+
+def test_missing_dataset_column_names_plugin_and_column():
+    plugins = build_plugins(["needs_column"], INSTALLED)
+    check_columns(plugins, ["prompt", "gold_entities"])
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(needs_column\): needs dataset column 'gold_entities'"):
+        check_columns(plugins, ["prompt", "answer"])
+
+
+def test_plugin_classes_can_be_passed_directly():
+    plugins = build_plugins([fx.Passthrough, {"name": fx.AddBonus, "bonus": 1.0}])
+    assert plugins.names == ["passthrough", "add_bonus"]
+
+
+@pytest.fixture
+def broken_entry_point(tmp_path, monkeypatch):
+    """An installed distribution whose plugin cannot be imported, and one that works."""
+    dist = tmp_path / "trl_credit_fake-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-credit-fake\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""
+        [trl_credit]
+        fake_broken = fake_broken_module:Plugin
+        fake_ok = plugins_for_tests:AddBonus
+    """))
+    (tmp_path / "fake_broken_module.py").write_text("raise ImportError('this plugin is broken')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("fake_broken_module", None)
+
+
+def test_broken_plugin_that_is_not_enabled_does_not_break_other_runs(broken_entry_point):
+    found = available()
+    assert {"fake_broken", "fake_ok"} <= set(found)
+    assert build_plugins(["fake_ok"]).names == ["fake_ok"]
+    with pytest.raises(ConfigError, match="this plugin is broken"):
+        build_plugins(["fake_broken"])
+
+
+def test_entry_points_can_be_switched_off(broken_entry_point, monkeypatch):
+    monkeypatch.setenv("TRL_CREDIT_NO_ENTRY_POINTS", "1")
+    assert set(available()) == {"grpo"}

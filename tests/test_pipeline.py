@@ -1,0 +1,153 @@
+"""Hook families through the testing kit: order, combination, shapes, and loud failures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import plugins_for_tests as fx
+from trl_credit.batch import PromptStats
+from trl_credit.builtin import grpo_advantages
+from trl_credit.config import build_plugins
+from trl_credit.pipeline import Pipeline, PluginRuntimeError
+from trl_credit.testing import check_plugin, make_batch, plugin_set, run_curriculum, run_plugin
+
+
+def test_default_estimator_is_grpo_with_trl_eps():
+    result = run_plugin(fx.Passthrough, make_batch([1, 0, 0, 0], num_generations=4))
+    torch.testing.assert_close(result.advantages, torch.tensor([1.49970, -0.49990, -0.49990, -0.49990]),
+                               atol=1e-5, rtol=0)
+
+
+def test_gdpo_vector_from_methods_md_through_normalize_then_sum():
+    batch = make_batch([[1, 1], [1, 0], [0, 1], [0, 0], [1, 1], [1, 1], [1, 1], [1, 0]], num_generations=4,
+                       multi_objective_aggregation="normalize_then_sum")
+    result = run_plugin(fx.Passthrough, batch)
+    expected = torch.tensor([1.527404, 0, 0, -1.527404, 0.440912, 0.440912, 0.440912, -1.322735])
+    torch.testing.assert_close(result.advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_shaper_adds_a_named_column_with_weight_one():
+    result = run_plugin(fx.AddBonus, make_batch([1, 0, 1, 0], num_generations=2, reward_names=["acc"]),
+                        {"bonus": 0.25, "column": "len"})
+    assert result.reward_names == ["acc", "len"]
+    torch.testing.assert_close(result.batch.reward_weights, torch.tensor([1.0, 1.0]))
+    assert torch.equal(result.rewards[:, 1], torch.full((4,), 0.25))
+
+
+def test_shapers_chain_in_config_order():
+    plugins = build_plugins([{"name": fx.AddBonus, "bonus": 1.0, "column": "x"},
+                             {"name": fx.AddBonus, "bonus": 2.0, "column": "x"}])
+    batch = make_batch([0, 1], num_generations=2)
+    Pipeline(plugins).shape_rewards(batch)
+    assert batch.reward_names == ["reward_0", "x"] and torch.equal(batch.rewards[:, 1], torch.tensor([2.0, 2.0]))
+
+
+def test_group_and_completion_masks_are_and_combined():
+    plugins = build_plugins([fx.DropFirstGroup, fx.DropConstant])
+    batch = make_batch([1, 0, 1, 1, 0, 1], num_generations=2)
+    keep = Pipeline(plugins).filter_rollouts(batch)
+    assert keep.tolist() == [False, False, False, False, True, True]
+    assert batch.metrics["drop_first_group/kept_fraction"] == [pytest.approx(2 / 3)]
+
+
+def test_estimator_sees_only_kept_groups_and_dropped_rows_get_zero():
+    batch = make_batch([1, 0, 5, 5, 0, 1], num_generations=2, scale_rewards="batch")
+    result = run_plugin(fx.DropConstant, batch)
+    kept_only = grpo_advantages(torch.tensor([[1.0], [0.0], [0.0], [1.0]]), torch.ones(1), 2, "batch",
+                                "sum_then_normalize")
+    torch.testing.assert_close(result.advantages[[0, 1, 4, 5]], kept_only)
+    assert result.advantages[2:4].tolist() == [0.0, 0.0]
+
+
+def test_transform_may_return_token_level_advantages():
+    batch = make_batch([1, 0], num_generations=2, lengths=[3, 1])
+    result = run_plugin(fx.TokenCredit, batch)
+    a = 0.70703  # (1 - 0.5) / (std 0.7071 + 1e-4)
+    torch.testing.assert_close(result.advantages, torch.tensor([[a, 2 * a, 3 * a], [-a, 0, 0]]), atol=1e-4, rtol=0)
+
+
+def test_plugin_estimator_replaces_the_default():
+    assert run_plugin(fx.ConstantEstimator, make_batch([1, 0], num_generations=2)).advantages.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("plugin, hook, what", [
+    (fx.Broken, "compute_advantages", "advantages of shape (5,), expected (4,) or (4, 4)"),
+    (fx.Raises, "shape_rewards", "ZeroDivisionError: boom"),
+    (fx.MakesNaN, "transform_advantages", "NaN/inf"),
+])
+def test_runtime_failures_name_plugin_hook_and_step(plugin, hook, what):
+    with pytest.raises(PluginRuntimeError) as info:
+        run_plugin(plugin, make_batch([1, 0, 1, 0], num_generations=2, step=7))
+    assert f"in {hook} at step 7" in str(info.value) or f"from {hook} at step 7" in str(info.value)
+    assert what in str(info.value)
+
+
+def test_shaper_may_not_introduce_nan():
+    class Bad:
+        """NaN shaper."""
+
+        from trl_credit import hookimpl
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            return batch.rewards * math.nan
+
+    with pytest.raises(PluginRuntimeError, match="NaN/inf rewards"):
+        run_plugin(Bad, make_batch([1, 0], num_generations=2))
+
+
+def test_nan_rewards_are_kept_and_get_zero_advantage():
+    result = run_plugin(fx.Passthrough, make_batch([1, None, 0, 1], num_generations=4))
+    assert math.isnan(result.rewards[1, 0]) and result.advantages[1] == 0
+    torch.testing.assert_close(result.advantages[[0, 2, 3]], torch.tensor([0.57729, -1.15458, 0.57729]),
+                               atol=1e-4, rtol=0)
+
+
+def test_curriculum_weights_are_multiplied_and_normalised():
+    stats = PromptStats.empty(10)
+    weights = run_curriculum(fx.PreferLowIndex, stats)
+    assert weights.tolist() == [0.125] * 8 + [0.0, 0.0]
+    assert Pipeline(plugin_set(fx.Passthrough)).prompt_weights(stats, 0) is None
+
+
+def test_prompt_stats_track_pass_rates_and_ignore_nan():
+    stats = PromptStats.empty(3)
+    stats.update(torch.tensor([0, 0, 1, 1, -1]), torch.tensor([1.0, 0.0, math.nan, 0.2, 1.0]), step=4)
+    assert stats.seen.tolist() == [2, 1, 0]
+    assert stats.pass_rate()[0] == 0.5 and stats.pass_rate()[1] == 0.0 and math.isnan(stats.pass_rate()[2])
+    assert stats.last_step.tolist() == [4, 4, -1]
+
+
+def test_select_keeps_scores_aligned():
+    logps = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    batch = make_batch([1, 0, 1, 1], num_generations=2, logps=logps, lengths=[3, 3, 3, 3])
+    view = batch.select(torch.tensor([2, 3]))
+    assert torch.equal(view.policy_logps(), logps[2:])
+    assert torch.equal(view.select(torch.tensor([1])).policy_logps(), logps[3:])
+
+
+def test_missing_scores_in_tests_say_what_to_pass():
+    with pytest.raises(RuntimeError, match="pass `entropies=`"):
+        make_batch([1, 0], num_generations=2).policy_entropies()
+
+
+def test_check_plugin_accepts_the_fixtures_and_rejects_a_bad_config():
+    check_plugin(fx.DropConstant)
+    check_plugin(fx.TokenCredit)
+
+    class NoDescriptions(fx.AddBonus):
+        """No descriptions."""
+
+        from pydantic import BaseModel, ConfigDict
+
+        class Config(BaseModel):
+            model_config = {"extra": "forbid"}
+            bonus: float = 0.5
+
+    with pytest.raises(AssertionError, match="no description"):
+        check_plugin(NoDescriptions)
+    with pytest.raises(AssertionError, match="NaN/inf value"):
+        check_plugin(fx.MakesNaN)

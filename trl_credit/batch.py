@@ -1,0 +1,299 @@
+"""`RolloutBatch`: what every hook sees, and `PromptStats`: what curricula see.
+
+A batch holds whole groups, gathered across processes, identical on every rank. Tensors live on the
+CPU or the training device; plugins should create new tensors with ``device=batch.device``.
+
+Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`) are lazy: nothing
+runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
+computed (old log-probs, reference log-probs) is reused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    pass
+
+
+class Scorer(Protocol):
+    """What a `RolloutBatch` asks its model backend for (the trainer, or a test double)."""
+
+    def token_scores(self, kind: str) -> torch.Tensor:
+        """``kind`` in ``policy_logps | policy_entropies | ref_logps``: a no-grad ``(N, T)`` tensor."""
+
+    def continuation_logps(
+        self, prefixes: Sequence[str], continuations: Sequence[str], model: str
+    ) -> list[torch.Tensor]:
+        """Per-token log-probs of each continuation after its prefix (one 1-D tensor each)."""
+
+
+@dataclass
+class RolloutBatch:
+    """One generation round (or the kept part of it), gathered across processes.
+
+    Attributes (``N`` completions, ``G`` per prompt, ``K`` reward columns, ``T`` padded length):
+
+    - ``prompts``, ``completions``: lists of length ``N`` (strings or chat messages, as in TRL).
+    - ``completion_ids`` ``(N, T)`` long, right-padded; ``completion_mask`` ``(N, T)`` 0/1 (TRL's mask:
+      truncated completions are 0 when ``mask_truncated_completions`` is set).
+    - ``rewards`` ``(N, K)`` float32 with NaN where a reward function returned ``None``;
+      ``reward_names`` (K), ``reward_weights`` ``(K,)``.
+    - ``num_generations`` ``G``; groups are consecutive rows ``[g*G, (g+1)*G)``.
+    - ``columns``: the dataset's other columns, one value per completion (``answer`` ...).
+    - ``prompt_index`` ``(N,)`` dataset row of each completion's prompt (-1 when unknown).
+    - ``step``: the global optimiser step; ``args``: the ``GRPOConfig``; ``tokenizer``.
+    - ``kept`` ``(N,)`` bool: the filters' verdict (all True before filtering).
+    """
+
+    prompts: list
+    completions: list
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    rewards: torch.Tensor
+    reward_names: list[str]
+    reward_weights: torch.Tensor
+    num_generations: int
+    columns: dict[str, list] = field(default_factory=dict)
+    prompt_index: torch.Tensor | None = None
+    step: int = 0
+    args: Any = None
+    tokenizer: Any = None
+    kept: torch.Tensor | None = None
+    scorer: Scorer | None = None
+    token_cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    current_plugin: str = "host"
+    _rows: torch.Tensor | None = None  # rows of the root batch this view selects
+    _root: RolloutBatch | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if self.kept is None:
+            self.kept = torch.ones(n, dtype=torch.bool, device=self.rewards.device)
+        if self.prompt_index is None:
+            self.prompt_index = torch.full((n,), -1, dtype=torch.long, device=self.rewards.device)
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def device(self) -> torch.device:
+        return self.rewards.device
+
+    @property
+    def num_completions(self) -> int:
+        return self.rewards.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_completions // self.num_generations
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """``(N,)`` long: the group of each completion."""
+        return torch.arange(self.num_completions, device=self.device) // self.num_generations
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        """``(N,)`` long: unmasked tokens per completion."""
+        return self.completion_mask.sum(dim=1).long()
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "pad_token_id", None)
+
+    @property
+    def max_completion_length(self) -> int:
+        """``args.max_completion_length`` when known, else the padded width ``T``."""
+        value = getattr(self.args, "max_completion_length", None)
+        return int(value) if value is not None else self.completion_ids.shape[1]
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """View a per-completion tensor ``(N, ...)`` as ``(N // G, G, ...)``."""
+        return x.reshape(self.num_groups, self.num_generations, *x.shape[1:])
+
+    # ----------------------------------------------------------------- rewards
+    def reward(self, name: str) -> torch.Tensor:
+        """The ``(N,)`` column ``name`` (KeyError lists the available ones)."""
+        try:
+            return self.rewards[:, self.reward_names.index(name)]
+        except ValueError:
+            raise KeyError(f"no reward column {name!r}; columns are {self.reward_names}") from None
+
+    def total_reward(self) -> torch.Tensor:
+        """``(N,)`` weighted sum of the columns, NaN where every column is NaN (as TRL)."""
+        total = (self.rewards * self.reward_weights.to(self.rewards).unsqueeze(0)).nansum(dim=1)
+        return total.masked_fill(torch.isnan(self.rewards).all(dim=1), math.nan)
+
+    def column(self, name: str) -> list:
+        """A dataset column, one value per completion (KeyError lists the available ones)."""
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise KeyError(f"no dataset column {name!r}; columns are {sorted(self.columns)}") from None
+
+    # ----------------------------------------------------------------- metrics
+    def log_metric(self, name: str, value: float) -> None:
+        """Log a scalar under ``trl_credit/<plugin>/<name>`` (averaged over the logging window)."""
+        self.log_metric_as(self.current_plugin, name, value)
+
+    def log_metric_as(self, owner: str, name: str, value: float) -> None:
+        self.root.metrics[f"{owner}/{name}"].append(float(value))
+
+    # ----------------------------------------------------------------- scorers
+    @property
+    def root(self) -> RolloutBatch:
+        return self._root if self._root is not None else self
+
+    def _token_scores(self, kind: str) -> torch.Tensor:
+        root = self.root
+        if kind not in root.token_cache:
+            if root.scorer is None:
+                raise RuntimeError(
+                    f"{self.current_plugin}: {kind} were asked for but this batch has no model to score "
+                    f"with; in tests pass `{kind.split('_', 1)[1]}=` to trl_credit.testing.make_batch"
+                )
+            root.token_cache[kind] = root.scorer.token_scores(kind)
+        scores = root.token_cache[kind]
+        return scores if self._rows is None else scores[self._rows]
+
+    def policy_logps(self) -> torch.Tensor:
+        """``(N, T)`` no-grad per-token log-probs of the completions under the current policy."""
+        return self._token_scores("policy_logps")
+
+    def policy_entropies(self) -> torch.Tensor:
+        """``(N, T)`` no-grad per-token entropies (nats, full distribution) under the current policy."""
+        return self._token_scores("policy_entropies")
+
+    def ref_logps(self) -> torch.Tensor:
+        """``(N, T)`` no-grad per-token log-probs under the reference model (PEFT: adapters disabled)."""
+        return self._token_scores("ref_logps")
+
+    def mean_policy_logps(self) -> torch.Tensor:
+        """``(N,)`` token-mean policy log-prob per completion (0 for empty completions)."""
+        mask = self.completion_mask.to(torch.float32)
+        return (self.policy_logps() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+    def continuation_logps(
+        self,
+        prefixes: Sequence[str],
+        continuations: Sequence[str],
+        model: str = "policy",
+        reduce: str = "sum",
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Teacher-forced log-probs of ``continuations[i]`` after ``prefixes[i]`` (batched, no-grad, cached).
+
+        :param prefixes: texts fed as context (already chat-formatted if you want that).
+        :param continuations: texts whose tokens are scored.
+        :param model: ``"policy"`` or ``"reference"``.
+        :param reduce: ``"sum"`` or ``"mean"`` gives an ``(M,)`` tensor; ``"none"`` a list of 1-D tensors.
+        """
+        if len(prefixes) != len(continuations):
+            raise ValueError("prefixes and continuations must have the same length")
+        if model not in ("policy", "reference"):
+            raise ValueError("model must be 'policy' or 'reference'")
+        root = self.root
+        cache = root.token_cache.setdefault("continuations", {})  # type: ignore[arg-type]
+        missing = [(p, c) for p, c in zip(prefixes, continuations) if (model, p, c) not in cache]
+        if missing:
+            if root.scorer is None:
+                raise RuntimeError(f"{self.current_plugin}: continuation scoring needs a model")
+            unique = list(dict.fromkeys(missing))
+            scores = root.scorer.continuation_logps([p for p, _ in unique], [c for _, c in unique], model)
+            cache.update({(model, p, c): s for (p, c), s in zip(unique, scores)})
+        per_token = [cache[(model, p, c)] for p, c in zip(prefixes, continuations)]
+        if reduce == "none":
+            return per_token
+        sums = torch.stack([t.sum() for t in per_token]) if per_token else torch.zeros(0)
+        if reduce == "sum":
+            return sums
+        if reduce == "mean":
+            lengths = torch.tensor([max(len(t), 1) for t in per_token], dtype=sums.dtype)
+            return sums / lengths
+        raise ValueError("reduce must be 'sum', 'mean' or 'none'")
+
+    # ----------------------------------------------------------------- views
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """A view of the given rows (whole groups, in order); shares the scorer cache."""
+        rows = rows.to(self.device)
+        cpu_rows = rows.tolist()
+        base_rows = rows if self._rows is None else self._rows[rows]
+        view = RolloutBatch(
+            prompts=[self.prompts[i] for i in cpu_rows],
+            completions=[self.completions[i] for i in cpu_rows],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            rewards=self.rewards[rows],
+            reward_names=list(self.reward_names),
+            reward_weights=self.reward_weights,
+            num_generations=self.num_generations,
+            columns={k: [v[i] for i in cpu_rows] for k, v in self.columns.items()},
+            prompt_index=self.prompt_index[rows],
+            step=self.step,
+            args=self.args,
+            tokenizer=self.tokenizer,
+            kept=self.kept[rows],
+            current_plugin=self.current_plugin,
+        )
+        view._rows = base_rows
+        view._root = self.root
+        return view
+
+
+@dataclass
+class PromptStats:
+    """Host-tracked statistics per training prompt (dataset row), updated from every scored batch.
+
+    A completion *passes* when its total reward is ``>= pass_threshold`` (host default 0.5).
+    """
+
+    seen: torch.Tensor
+    passed: torch.Tensor
+    reward_sum: torch.Tensor
+    last_step: torch.Tensor
+    pass_threshold: float = 0.5
+
+    @classmethod
+    def empty(cls, num_prompts: int, pass_threshold: float = 0.5) -> PromptStats:
+        zeros = torch.zeros(num_prompts, dtype=torch.float64)
+        return cls(zeros.clone(), zeros.clone(), zeros.clone(), torch.full((num_prompts,), -1), pass_threshold)
+
+    @property
+    def num_prompts(self) -> int:
+        return self.seen.shape[0]
+
+    def pass_rate(self) -> torch.Tensor:
+        """``(P,)`` empirical pass rate, NaN for prompts never seen."""
+        return self.passed / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))
+
+    def mean_reward(self) -> torch.Tensor:
+        return self.reward_sum / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))
+
+    def update(self, prompt_index: torch.Tensor, total_reward: torch.Tensor, step: int) -> None:
+        """Add one batch: ``prompt_index`` ``(N,)`` rows (-1 ignored), ``total_reward`` ``(N,)`` (NaN ignored)."""
+        idx = prompt_index.cpu().long()
+        reward = total_reward.detach().cpu().to(torch.float64)
+        ok = (idx >= 0) & ~torch.isnan(reward)
+        idx, reward = idx[ok], reward[ok]
+        self.seen.index_add_(0, idx, torch.ones_like(reward))
+        self.passed.index_add_(0, idx, (reward >= self.pass_threshold).to(torch.float64))
+        self.reward_sum.index_add_(0, idx, reward)
+        self.last_step[idx] = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seen": self.seen,
+            "passed": self.passed,
+            "reward_sum": self.reward_sum,
+            "last_step": self.last_step,
+            "pass_threshold": self.pass_threshold,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seen", "passed", "reward_sum", "last_step"):
+            getattr(self, key).copy_(state[key])
+        self.pass_threshold = state["pass_threshold"]

@@ -1,0 +1,145 @@
+"""``trl-credit``: train, plugins, validate, new-plugin, install."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trl_credit.config import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trl-credit", description="Credit-assignment plugins for TRL's GRPOTrainer.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train with a `trl grpo` YAML config plus a `plugins:` list")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` overrides, as with `trl grpo`")
+
+    p = sub.add_parser("validate", help="check a config (YAML, TRL keys, plugins, options, columns) without loading a model")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("plugins", help="list installed plugins; `plugins show NAME` for one")
+    p.add_argument("action", nargs="?", choices=["show"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--all", action="store_true", help="include the built-in plugins")
+
+    p = sub.add_parser("new-plugin", help="write a plugin package skeleton whose tests pass")
+    p.add_argument("name", help="YAML handle, e.g. my_method")
+    p.add_argument("--dir", default=None, help="parent folder (default: ./plugins if it exists, else .)")
+
+    p = sub.add_parser("install", help="install a plugin: the monorepo's plugins/trl-credit-NAME, else PyPI")
+    p.add_argument("name")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            from trl_credit.run import dump, train
+
+            print(dump(train(args.config, _overrides(args.overrides))))
+        elif args.command == "validate":
+            from trl_credit.run import validate
+
+            cfg = validate(args.config, _overrides(args.overrides))
+            print(f"{args.config}: OK; plugins in call order: {', '.join(cfg.plugins.names) or 'none'}")
+        elif args.command == "plugins":
+            return _plugins(args)
+        elif args.command == "new-plugin":
+            from trl_credit.scaffold import new_plugin
+
+            target = Path(args.dir) if args.dir else (Path("plugins") if Path("plugins").is_dir() else Path("."))
+            path = new_plugin(args.name, target)
+            print(f"created {path}\nnext: pip install -e {path} && pytest {path}/tests")
+        elif args.command == "install":
+            return _install(args.name)
+    except ConfigError as exc:
+        print(f"trl-credit: configuration error(s):\n{exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _overrides(values: list[str]) -> list[str]:
+    return [v for v in values if v != "--"]
+
+
+def _describe(info, with_config: bool = True) -> dict:
+    from trl_credit.plugins import implemented_hooks
+
+    entry = {"name": info.name, "version": info.version, "package": info.distribution,
+             "object": info.value, "builtin": info.builtin}
+    try:
+        cls = info.load()
+    except Exception as exc:  # listing shows a broken plugin instead of failing
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        return entry
+    entry["hooks"] = implemented_hooks(cls)
+    entry["summary"] = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+    if with_config and getattr(cls, "Config", None) is not None:
+        entry["config"] = {
+            name: {"type": _type_name(f.annotation), "default": None if f.is_required() else f.get_default(),
+                   "description": f.description or ""}
+            for name, f in cls.Config.model_fields.items()
+        }
+    return entry
+
+
+def _type_name(annotation) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _plugins(args) -> int:
+    from trl_credit.plugins import available
+
+    found = available(include_builtins=True)
+    if args.action == "show":
+        if not args.name or args.name not in found:
+            from trl_credit.config import unknown_plugin_message
+
+            print(unknown_plugin_message(0, args.name or "?", found).split(": ", 1)[1], file=sys.stderr)
+            return 2
+        entry = _describe(found[args.name])
+        if args.json:
+            print(json.dumps(entry, indent=2, default=str))
+            return 0
+        print(f"{entry['name']} {entry['version'] or ''} ({entry['package']}, {entry['object']})")
+        if "error" in entry:
+            print(f"  BROKEN: {entry['error']}")
+            return 1
+        print(f"  {entry['summary']}\n  hooks: {', '.join(entry['hooks'])}")
+        for name, field in entry.get("config", {}).items():
+            print(f"  {name}: {field['type']} = {field['default']!r}  {field['description']}")
+        return 0
+    entries = [_describe(info, with_config=args.json) for info in found.values() if args.all or not info.builtin]
+    entries.sort(key=lambda e: e["name"])
+    if args.json:
+        print(json.dumps(entries, indent=2, default=str))
+        return 0
+    if not entries:
+        print("no plugins installed (try `trl-credit install dynamic_sampling`)")
+    for e in entries:
+        hooks = e.get("error") and f"BROKEN: {e['error']}" or ", ".join(e["hooks"])
+        print(f"{e['name']:<24} {e['package'] or '':<32} {e['version'] or '':<10} {hooks}")
+    return 0
+
+
+def _install(name: str) -> int:
+    dist = "trl-credit-" + name.replace("_", "-")
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        candidate = root / "plugins" / dist
+        if (candidate / "pyproject.toml").exists():
+            cmd = [sys.executable, "-m", "pip", "install", "-e", str(candidate)]
+            break
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", dist]
+    print("+ " + " ".join(cmd))
+    return subprocess.call(cmd, env={**os.environ})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The ``plugins:`` list: parsing, typed validation and the errors users read.
+
+Every problem is collected (``trl-credit validate`` prints them all) and raised as one
+`ConfigError` before any model is loaded. Messages name the item, the plugin and the key, and say
+how to fix it: ``plugins[1] (accuracy_band): option 'low': Input should be a valid number``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from trl_credit import hookspecs
+from trl_credit.plugins import Available, available, implemented_hooks, new_manager
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each a line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"- {p}" for p in self.problems))
+
+
+class EmptyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class EnabledPlugin:
+    """A plugin named in the config: its class, validated config and instance."""
+
+    index: int
+    name: str
+    key: str  # unique: the name, or name#2 for a second copy
+    instance: Any
+    hooks: list[str]
+    info: Available | None = None
+
+    @property
+    def config(self) -> BaseModel:
+        return getattr(self.instance, "config", EmptyConfig())
+
+
+@dataclass
+class PluginSet:
+    """The enabled plugins in config order and the pluggy manager they are registered with."""
+
+    plugins: list[EnabledPlugin] = field(default_factory=list)
+    manager: pluggy.PluginManager | None = None
+
+    def with_hook(self, hook: str) -> list[EnabledPlugin]:
+        return [p for p in self.plugins if hook in p.hooks]
+
+    @property
+    def names(self) -> list[str]:
+        return [p.key for p in self.plugins]
+
+
+def normalize_items(raw: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``plugins:`` as a list of (name, options); raises `ConfigError` on a malformed list.
+
+    An item is a name, ``{name: ..., <options>}``, ``{<name>: {<options>}}`` or, from Python, a
+    plugin class (optionally as ``{"name": cls, <options>}``).
+    """
+    if raw is None:
+        return []
+    if isinstance(raw, (str, dict, type)):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError([f"plugins: expected a list of names or {{name: ..., <options>}} items, got {type(raw).__name__}"])
+    items, problems = [], []
+    for i, item in enumerate(raw):
+        if isinstance(item, (str, type)):
+            items.append((item, {}))
+        elif isinstance(item, dict) and isinstance(item.get("name"), (str, type)):
+            options = {k: v for k, v in item.items() if k != "name"}
+            items.append((item["name"], options))
+        elif isinstance(item, dict) and len(item) == 1 and isinstance(next(iter(item.values())), (dict, type(None))):
+            (name, options), = item.items()  # mkdocs style: - accuracy_band: {low: 0.2}
+            items.append((str(name), dict(options or {})))
+        else:
+            problems.append(f"plugins[{i}]: expected a name or a mapping with a 'name' key, got {item!r}")
+    if problems:
+        raise ConfigError(problems)
+    return items
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def unknown_plugin_message(index: int, name: str, installed: dict[str, Available]) -> str:
+    public = sorted(n for n, a in installed.items() if not a.builtin)
+    close = difflib.get_close_matches(name, list(installed), n=1, cutoff=0.6)
+    alt = difflib.get_close_matches(name.replace("_", "-"), [n.replace("_", "-") for n in installed], n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else (f" Did you mean '{alt[0]}'?" if alt else "")
+    return (
+        f"plugins[{index}] ({name}): no plugin named '{name}' is installed.{hint} "
+        f"Installed: {', '.join(public) if public else 'none'}. "
+        f"Install it with `trl-credit install {name}` (or `pip install trl-credit-{name.replace('_', '-')}`)."
+    )
+
+
+def _option_errors(index: int, name: str, error: ValidationError) -> list[str]:
+    out = []
+    for e in error.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<options>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown option; see `trl-credit plugins show " + name + "` for the options"
+        out.append(f"plugins[{index}] ({name}): option '{key}': {msg}")
+    return out
+
+
+def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> PluginSet:
+    """Validate ``plugins:`` and instantiate every enabled plugin (imports only the enabled ones).
+
+    Raises `ConfigError` listing every problem: malformed items, unknown plugins, import
+    failures (with traceback), unknown or ill-typed options, hooks not in the spec, and two
+    advantage estimators.
+    """
+    items = normalize_items(raw)
+    installed = available() if installed is None else installed
+    problems: list[str] = []
+    enabled: list[EnabledPlugin] = []
+    counts: dict[str, int] = {}
+    manager = new_manager()
+    for index, (name, options) in enumerate(items):
+        if isinstance(name, type):  # a class passed in Python: used as is, nothing to discover
+            cls, info = name, None
+            name = getattr(cls, "name", None) or _snake(cls.__name__)
+        else:
+            info = installed.get(name)
+            if info is None:
+                problems.append(unknown_plugin_message(index, name, installed))
+                continue
+            try:
+                cls = info.load()
+            except Exception:  # an enabled plugin that cannot be imported must say why
+                problems.append(
+                    f"plugins[{index}] ({name}): importing {info.value} from "
+                    f"{info.distribution or 'unknown distribution'} failed:\n{traceback.format_exc()}"
+                )
+                continue
+        instance, errs = instantiate(cls, options, index, name)
+        problems += errs
+        if instance is None:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+        key = name if counts[name] == 1 else f"{name}#{counts[name]}"
+        hooks = implemented_hooks(cls)
+        try:
+            manager.register(instance, name=key)
+            manager.check_pending()
+        except pluggy.PluginValidationError as exc:
+            problems.append(
+                f"plugins[{index}] ({name}): {exc}. Hooks a plugin may implement: {', '.join(hookspecs.HOOKS)}"
+            )
+            manager.unregister(instance)
+            continue
+        if not hooks:
+            problems.append(
+                f"plugins[{index}] ({name}): {cls.__name__} implements no hook; mark methods with "
+                "`@trl_credit.hookimpl` (see `trl-credit plugins show`)"
+            )
+        enabled.append(EnabledPlugin(index, name, key, instance, hooks, info))
+    estimators = [p for p in enabled if "compute_advantages" in p.hooks]
+    if len(estimators) > 1:
+        listed = ", ".join(f"plugins[{p.index}] ({p.name})" for p in estimators)
+        problems.append(
+            f"two advantage estimators are enabled: {listed}. Exactly one plugin may implement "
+            "compute_advantages; remove all but one (advantage transforms can be chained instead)."
+        )
+    if problems:
+        raise ConfigError(problems)
+    return PluginSet(enabled, manager)
+
+
+def instantiate(cls: type, options: dict[str, Any], index: int = 0, name: str = "?") -> tuple[Any, list[str]]:
+    """Validate ``options`` against ``cls.Config`` and build the plugin; returns (instance, problems)."""
+    config_cls = getattr(cls, "Config", None)
+    if config_cls is None:
+        if options:
+            return None, [f"plugins[{index}] ({name}): option '{next(iter(options))}': this plugin takes no options"]
+        return cls(), []
+    if not (isinstance(config_cls, type) and issubclass(config_cls, BaseModel)):
+        return None, [f"plugins[{index}] ({name}): {cls.__name__}.Config must be a pydantic BaseModel"]
+    if config_cls.model_config.get("extra") != "forbid":
+        return None, [
+            f"plugins[{index}] ({name}): {cls.__name__}.Config must set model_config = ConfigDict(extra='forbid') "
+            "so that misspelled options are reported"
+        ]
+    try:
+        config = config_cls(**options)
+    except ValidationError as exc:
+        return None, _option_errors(index, name, exc)
+    try:
+        return cls(config), []
+    except Exception:
+        return None, [f"plugins[{index}] ({name}): creating the plugin failed:\n{traceback.format_exc()}"]
+
+
+def required_columns(plugins: PluginSet) -> dict[str, list[str]]:
+    """Dataset columns each plugin needs (its optional ``required_columns()`` method)."""
+    out = {}
+    for p in plugins.plugins:
+        fn = getattr(p.instance, "required_columns", None)
+        if fn is not None:
+            out[p.key] = list(fn())
+    return out
+
+
+def check_columns(plugins: PluginSet, columns: list[str]) -> None:
+    """Raise `ConfigError` when a plugin needs a dataset column the training set lacks."""
+    problems = []
+    for p in plugins.plugins:
+        fn = getattr(p.instance, "required_columns", None)
+        for col in list(fn()) if fn else []:
+            if col not in columns:
+                problems.append(
+                    f"plugins[{p.index}] ({p.name}): needs dataset column '{col}', which the training "
+                    f"dataset lacks (columns: {', '.join(columns)}); add it or set the plugin's column option"
+                )
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_reward_columns(plugins: PluginSet, reward_names: list[str]) -> None:
+    """Raise `ConfigError` when a plugin needs a reward column no reward function produces."""
+    problems = []
+    for p in plugins.plugins:
+        fn = getattr(p.instance, "required_rewards", None)
+        for col in list(fn()) if fn else []:
+            if col not in reward_names:
+                problems.append(
+                    f"plugins[{p.index}] ({p.name}): needs reward column '{col}', but the reward functions "
+                    f"are {reward_names}; add it to reward_funcs or set the plugin's column option"
+                )
+    if problems:
+        raise ConfigError(problems)

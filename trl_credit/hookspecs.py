@@ -1,0 +1,148 @@
+"""The contract between the host and its plugins: every hook a plugin may implement.
+
+A plugin is a class with a pydantic ``Config`` and methods marked ``@hookimpl`` whose names and
+argument names are those below (pluggy checks both when the plugin is registered). A method may take
+fewer arguments than the spec lists; it may not take others.
+
+Shapes: ``N`` = completions in the batch (all processes, whole groups), ``G`` = completions per prompt
+(``num_generations``), ``N // G`` groups, ``K`` = reward columns, ``T`` = padded completion length.
+
+Order: the host calls the plugins of one hook family in the order the user listed them in
+``plugins:``, never in pluggy's registration order. Every hook runs on every process with the same
+``RolloutBatch`` (gathered, identical on every rank), so a plugin never needs collective calls of its
+own; the host slices out the local rows afterwards.
+
+Per step the host runs, for each generation round:
+``shape_rewards`` (chained) -> ``filter_rollouts`` (AND) -> [refill rounds] ->
+``compute_advantages`` (exactly one) -> ``transform_advantages`` (chained) -> ``on_batch_end``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import pluggy
+
+if TYPE_CHECKING:  # heavy imports only for type checkers
+    import torch
+
+    from trl_credit.batch import PromptStats, RolloutBatch
+
+PROJECT = "trl_credit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def shape_rewards(batch: RolloutBatch) -> torch.Tensor | dict[str, Any] | None:
+    """Reshape the reward matrix before advantages are computed.  Chained, in config order.
+
+    :param batch: ``batch.rewards`` is the current float32 ``(N, K)`` matrix (NaN = the reward
+        function returned ``None``), ``batch.reward_names`` its ``K`` column names and
+        ``batch.reward_weights`` the ``(K,)`` weights. Earlier shapers' output is already applied.
+    :return: ``None`` (no change); a ``(N, K)`` tensor that replaces the matrix column for column;
+        or a mapping ``{column: values}`` where ``values`` is ``(N,)`` or ``(values, weight)``:
+        an existing column is replaced (its weight kept unless given), a new one is appended
+        (weight 1.0 unless given). A shaper may not introduce NaN where its input had none.
+    Called once per generation round, on every rank, before filtering.
+    """
+
+
+@hookspec
+def filter_rollouts(batch: RolloutBatch) -> torch.Tensor | None:
+    """Say which completions take part in the update.  Results are AND-combined.
+
+    :param batch: the shaped batch of one generation round.
+    :return: a bool keep mask of shape ``(N,)`` (per completion) or ``(N // G,)`` (per group), or
+        ``None`` to keep everything. A dropped completion gets advantage 0, is masked out of the
+        loss and does not count in its normaliser, so kept completions are not diluted. If every
+        completion is dropped the optimiser step is skipped and logged (``trl_credit/skipped_update``).
+    Refill: a plugin whose ``Config`` has ``refill: true`` asks the host to draw more prompts (up
+    to ``max_refill_rounds`` extra rounds) until the batch holds as many kept groups as it had
+    groups (DAPO dynamic sampling). Filters run before the advantage estimator, which then sees
+    only the kept groups.
+    """
+
+
+@hookspec
+def compute_advantages(batch: RolloutBatch) -> torch.Tensor:
+    """Compute the advantages of the kept completions.  Exclusive: exactly one estimator runs.
+
+    The built-in ``grpo`` estimator reproduces TRL's own computation (``scale_rewards``,
+    ``multi_objective_aggregation``, NaN rows -> 0) and is used when no enabled plugin
+    implements this hook; two enabled estimators are a configuration error.
+
+    :param batch: the kept groups only, rewards shaped.
+    :return: float ``(N,)`` sequence advantages or ``(N, T)`` per-token advantages (``T`` =
+        ``batch.completion_ids.shape[1]``), finite everywhere.
+    """
+
+
+@hookspec
+def transform_advantages(batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor | None:
+    """Post-process advantages (token-level credit, clipping, re-weighting).  Chained, in config order.
+
+    :param advantages: ``(N,)`` or ``(N, T)`` output of the estimator or of the previous transform.
+    :return: ``(N,)`` or ``(N, T)`` finite tensor (a transform may turn ``(N,)`` into ``(N, T)``),
+        or ``None`` for no change. Values at padded positions are ignored by the loss.
+    """
+
+
+@hookspec
+def prompt_weights(stats: PromptStats, step: int) -> torch.Tensor | None:
+    """Give every training prompt a sampling weight (prompt curriculum).  Multiplied together.
+
+    :param stats: host-tracked per-prompt statistics over past rollouts, indexed by dataset row:
+        ``stats.seen`` and ``stats.passed`` (float ``(P,)`` counts), ``stats.reward_sum`` and
+        ``stats.pass_rate()`` (NaN where never seen), ``stats.last_step``.
+    :param step: the optimiser step about to be sampled for.
+    :return: non-negative finite ``(P,)`` weights (not necessarily normalised), or ``None``.
+        The host multiplies the weights of all curriculum plugins, normalises them and samples
+        each generation batch's prompts without replacement, seeded and identical on every rank.
+    Called before each generation batch is drawn, on every rank.
+    """
+
+
+@hookspec
+def on_train_begin(trainer: Any) -> None:
+    """Called once when training starts, on every rank, after the model is wrapped."""
+
+
+@hookspec
+def on_batch_end(batch: RolloutBatch, advantages: torch.Tensor) -> None:
+    """Observe a finished batch (final advantages, keep mask, rewards); for statistics and schedules."""
+
+
+@hookspec
+def on_step_end(trainer: Any, step: int, logs: dict[str, float]) -> None:
+    """Called after every optimiser step with the global step and the metrics logged so far.
+
+    Use it for schedules and annealing (change your own config or ``trainer.args`` fields).
+    """
+
+
+#: Every hook a plugin may implement, in pipeline order.
+HOOKS = (
+    "shape_rewards",
+    "filter_rollouts",
+    "compute_advantages",
+    "transform_advantages",
+    "prompt_weights",
+    "on_train_begin",
+    "on_batch_end",
+    "on_step_end",
+)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Optional protocol for plugins with state that must survive checkpoint and resume.
+
+    The host calls ``state_dict()`` when it saves a checkpoint (the result is pickled with
+    ``torch.save`` into ``trl_credit_state.pt`` next to the trainer state, under the plugin's
+    unique key) and ``load_state_dict(state)`` when training resumes from that checkpoint.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

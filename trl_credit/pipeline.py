@@ -1,0 +1,206 @@
+"""Runs the hook families in config order, times each plugin and checks what it returns.
+
+A plugin that raises, returns a wrong shape, or returns NaN/inf stops the run with a
+`PluginRuntimeError` naming the plugin, the hook and the step. No plugin is ever skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from trl_credit.batch import PromptStats, RolloutBatch
+from trl_credit.builtin import GRPOAdvantage
+from trl_credit.config import EnabledPlugin, PluginSet
+
+
+class PluginRuntimeError(RuntimeError):
+    """A plugin failed or broke the contract while training."""
+
+
+class Pipeline:
+    """The enabled plugins, ready to be called by the trainer seam (or by `trl_credit.testing`)."""
+
+    def __init__(self, plugins: PluginSet):
+        self.plugins = plugins
+        self._impls: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {}
+        if plugins.manager is not None:
+            for hook in ("shape_rewards", "filter_rollouts", "compute_advantages", "transform_advantages",
+                         "prompt_weights", "on_train_begin", "on_batch_end", "on_step_end"):
+                for impl in getattr(plugins.manager.hook, hook).get_hookimpls():
+                    self._impls[(impl.plugin_name, hook)] = (impl.function, tuple(impl.argnames))
+        estimators = plugins.with_hook("compute_advantages")
+        if estimators:
+            self.estimator = estimators[0]
+        else:
+            default = GRPOAdvantage()
+            self.estimator = EnabledPlugin(-1, "grpo", "grpo", default, ["compute_advantages"])
+            self._impls[("grpo", "compute_advantages")] = (default.compute_advantages, ("batch",))
+        self.seconds: dict[str, float] = defaultdict(float)  # per plugin, since the last log
+        refill = [p for p in plugins.with_hook("filter_rollouts") if getattr(p.config, "refill", False)]
+        self.max_refill_rounds = max((int(getattr(p.config, "max_refill_rounds", 0)) for p in refill), default=0)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def active(self) -> bool:
+        """False when no plugin is enabled: the trainer then runs TRL's code path untouched."""
+        return bool(self.plugins.plugins)
+
+    def has(self, hook: str) -> bool:
+        return bool(self.plugins.with_hook(hook))
+
+    # ---------------------------------------------------------------- calling
+    def _call(self, plugin: EnabledPlugin, hook: str, at_step: int, **kwargs: Any) -> Any:
+        function, argnames = self._impls[(plugin.key, hook)]
+        batch = kwargs.get("batch")
+        if batch is not None:
+            batch.current_plugin = plugin.key
+        start = time.perf_counter()
+        try:
+            return function(**{k: kwargs[k] for k in argnames})
+        except PluginRuntimeError:
+            raise
+        except Exception as exc:
+            raise PluginRuntimeError(
+                f"plugin '{plugin.key}' raised in {hook} at step {at_step}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self.seconds[plugin.key] += time.perf_counter() - start
+            if batch is not None:
+                batch.current_plugin = "host"
+
+    def _fail(self, plugin: EnabledPlugin, hook: str, step: int, what: str) -> None:
+        raise PluginRuntimeError(f"plugin '{plugin.key}' returned {what} from {hook} at step {step}")
+
+    def _check_finite(self, plugin, hook, step, x: torch.Tensor) -> None:
+        if not torch.isfinite(x).all():
+            bad = int((~torch.isfinite(x)).sum())
+            self._fail(plugin, hook, step, f"{bad} NaN/inf value(s)")
+
+    # ---------------------------------------------------------------- families
+    def shape_rewards(self, batch: RolloutBatch) -> None:
+        """Apply the shapers in order, updating ``batch.rewards/reward_names/reward_weights``."""
+        for plugin in self.plugins.with_hook("shape_rewards"):
+            before = batch.rewards
+            out = self._call(plugin, "shape_rewards", batch.step, batch=batch)
+            if out is None:
+                continue
+            n, k = before.shape
+            if isinstance(out, torch.Tensor):
+                if tuple(out.shape) != (n, k):
+                    self._fail(plugin, "shape_rewards", batch.step, f"shape {tuple(out.shape)}, expected ({n}, {k})")
+                new = out.to(before)
+            elif isinstance(out, dict):
+                new, names = before.clone(), list(batch.reward_names)
+                weights = batch.reward_weights.clone().to(torch.float32)
+                for name, value in out.items():
+                    weight = None
+                    if isinstance(value, tuple):
+                        value, weight = value
+                    value = torch.as_tensor(value, dtype=before.dtype, device=before.device)
+                    if tuple(value.shape) != (n,):
+                        self._fail(plugin, "shape_rewards", batch.step,
+                                   f"column '{name}' of shape {tuple(value.shape)}, expected ({n},)")
+                    if name in names:
+                        j = names.index(name)
+                        new[:, j] = value
+                        if weight is not None:
+                            weights[j] = float(weight)
+                    else:
+                        names.append(name)
+                        new = torch.cat([new, value.unsqueeze(1)], dim=1)
+                        weights = torch.cat([weights, torch.tensor([1.0 if weight is None else float(weight)])])
+                batch.reward_names, batch.reward_weights = names, weights
+            else:
+                self._fail(plugin, "shape_rewards", batch.step, f"a {type(out).__name__} (expected tensor, dict or None)")
+            old_nan = torch.isnan(before)
+            new_nan = torch.isnan(new[:, :k]) & ~old_nan
+            if new_nan.any() or torch.isnan(new[:, k:]).any() or torch.isinf(new).any():
+                self._fail(plugin, "shape_rewards", batch.step, "NaN/inf rewards where its input had finite values")
+            batch.rewards = new
+
+    def filter_rollouts(self, batch: RolloutBatch) -> torch.Tensor:
+        """AND of every filter's keep mask, ``(N,)`` bool; also stored in ``batch.kept``."""
+        keep = torch.ones(batch.num_completions, dtype=torch.bool, device=batch.device)
+        for plugin in self.plugins.with_hook("filter_rollouts"):
+            out = self._call(plugin, "filter_rollouts", batch.step, batch=batch)
+            if out is None:
+                continue
+            out = torch.as_tensor(out, device=batch.device)
+            if out.dtype != torch.bool:
+                self._fail(plugin, "filter_rollouts", batch.step, f"a {out.dtype} mask (expected torch.bool)")
+            if tuple(out.shape) == (batch.num_groups,):
+                out = out.repeat_interleave(batch.num_generations)
+            elif tuple(out.shape) != (batch.num_completions,):
+                self._fail(plugin, "filter_rollouts", batch.step, f"mask of shape {tuple(out.shape)}, expected "
+                           f"({batch.num_completions},) or ({batch.num_groups},)")
+            batch.log_metric_as(plugin.key, "kept_fraction", out.float().mean().item())
+            keep &= out
+        batch.kept = keep
+        return keep
+
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        plugin = self.estimator
+        out = self._call(plugin, "compute_advantages", batch.step, batch=batch)
+        return self._check_advantages(plugin, "compute_advantages", batch, out)
+
+    def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
+        for plugin in self.plugins.with_hook("transform_advantages"):
+            out = self._call(plugin, "transform_advantages", batch.step, batch=batch, advantages=advantages)
+            if out is not None:
+                advantages = self._check_advantages(plugin, "transform_advantages", batch, out)
+        return advantages
+
+    def _check_advantages(self, plugin, hook, batch: RolloutBatch, out: Any) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            self._fail(plugin, hook, batch.step, f"a {type(out).__name__} (expected a tensor)")
+        n, t = batch.completion_ids.shape
+        if tuple(out.shape) not in ((n,), (n, t)):
+            self._fail(plugin, hook, batch.step, f"advantages of shape {tuple(out.shape)}, expected ({n},) or ({n}, {t})")
+        self._check_finite(plugin, hook, batch.step, out)
+        return out.to(torch.float32)
+
+    def prompt_weights(self, stats: PromptStats, step: int) -> torch.Tensor | None:
+        """Product of the curricula's weights, normalised; None when no curriculum is enabled."""
+        weights = None
+        for plugin in self.plugins.with_hook("prompt_weights"):
+            out = self._call(plugin, "prompt_weights", step, stats=stats, step=step)
+            if out is None:
+                continue
+            out = torch.as_tensor(out, dtype=torch.float64)
+            if tuple(out.shape) != (stats.num_prompts,):
+                self._fail(plugin, "prompt_weights", step, f"weights of shape {tuple(out.shape)}, expected ({stats.num_prompts},)")
+            self._check_finite(plugin, "prompt_weights", step, out)
+            if (out < 0).any():
+                self._fail(plugin, "prompt_weights", step, "negative weights")
+            weights = out if weights is None else weights * out
+        if weights is None:
+            return None
+        total = weights.sum()
+        if not math.isfinite(float(total)) or total <= 0:
+            names = ", ".join(p.key for p in self.plugins.with_hook("prompt_weights"))
+            raise PluginRuntimeError(f"prompt curricula ({names}) gave every prompt weight 0 at step {step}")
+        return weights / total
+
+    def broadcast(self, hook: str, at_step: int, **kwargs: Any) -> None:
+        """Observers: every plugin implementing ``hook``, in config order."""
+        for plugin in self.plugins.with_hook(hook):
+            self._call(plugin, hook, at_step, **kwargs)
+
+    # ---------------------------------------------------------------- metrics
+    def pop_timings(self) -> dict[str, float]:
+        out = {f"trl_credit/{k}/seconds": v for k, v in self.seconds.items()}
+        self.seconds.clear()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {p.key: p.instance.state_dict() for p in self.plugins.plugins if hasattr(p.instance, "state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for p in self.plugins.plugins:
+            if p.key in state and hasattr(p.instance, "load_state_dict"):
+                p.instance.load_state_dict(state[p.key])

@@ -1,0 +1,207 @@
+"""``trl-credit train``: a ``trl grpo`` config plus ``plugins:``, run with `CreditGRPOTrainer`.
+
+The YAML is read with TRL's own parser classes (GRPOScriptArguments, GRPOConfig, ModelConfig,
+DatasetMixtureConfig); ``plugins:`` is taken out first and validated before anything heavy loads.
+`CreditArguments` adds two optional keys for the held-out greedy evaluation the quickstart prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns
+
+
+@dataclass
+class CreditArguments:
+    """trl-credit's own keys (all optional)."""
+
+    heldout_samples: int = field(default=0, metadata={"help": "Greedy held-out accuracy on this many eval "
+                                                               "prompts before and after training (0: off)."})
+    heldout_max_new_tokens: int = field(default=24, metadata={"help": "Max new tokens for the held-out evaluation."})
+
+
+@dataclass
+class Loaded:
+    """Everything parsed and validated from a config, nothing heavy loaded yet."""
+
+    path: str
+    raw: dict[str, Any]
+    plugins: PluginSet
+    script_args: Any
+    training_args: Any
+    model_args: Any
+    dataset_args: Any
+    credit_args: CreditArguments
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such file"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: malformed YAML: {exc}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the config must be a YAML mapping of keys, got {type(data).__name__}"])
+    return data
+
+
+def _parser():
+    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig, CreditArguments))
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> Loaded:
+    """Parse and validate ``path`` (+ command-line ``--key value`` overrides); raises `ConfigError`."""
+    raw = read_yaml(path)
+    problems: list[str] = []
+    plugins = PluginSet()
+    try:
+        plugins = build_plugins(raw.get("plugins"))
+    except ConfigError as exc:
+        problems += exc.problems
+    rest = {k: v for k, v in raw.items() if k != "plugins"}
+    parser = _parser()
+    known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)} | {"env"}
+    for key in rest:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            problems.append(f"{path}: unknown key '{key}'" + (f"; did you mean '{close[0]}'?" if close else
+                            "; it is neither a `trl grpo` option nor `plugins`"))
+    if problems:
+        raise ConfigError(problems)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+        yaml.safe_dump(rest, handle)
+        stripped = handle.name
+    try:
+        parsed = parser.parse_args_and_config(["--config", stripped, *(overrides or [])])
+    except SystemExit as exc:  # argparse reports ill-typed values by exiting
+        raise ConfigError([f"{path}: invalid value for a TRL option (see the message above); exit {exc.code}"]) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([f"{path}: {exc}"]) from None
+    finally:
+        os.unlink(stripped)
+    script_args, training_args, model_args, dataset_args, credit_args = parsed
+    return Loaded(path, raw, plugins, script_args, training_args, model_args, dataset_args, credit_args)
+
+
+def load_datasets(cfg: Loaded):
+    from trl_credit.data import load_train_eval
+
+    args = cfg.script_args
+    if cfg.dataset_args.datasets:
+        from trl import get_dataset
+
+        loaded = get_dataset(cfg.dataset_args)
+        return loaded[args.dataset_train_split], loaded.get(args.dataset_test_split)
+    return load_train_eval(args.dataset_name, args.dataset_config, args.dataset_train_split, args.dataset_test_split,
+                           seed=cfg.training_args.seed)
+
+
+def reward_functions(cfg: Loaded) -> list:
+    from trl_credit.rewards import resolve_reward_funcs
+
+    names = list(cfg.script_args.reward_funcs or ["arithmetic_accuracy"])
+    funcs = resolve_reward_funcs(names, max_completion_len=cfg.training_args.max_completion_length or 1280)
+    if cfg.script_args.reward_model_name_or_path:
+        funcs.insert(0, cfg.script_args.reward_model_name_or_path)
+    return funcs
+
+
+def validate(path: str, overrides: list[str] | None = None) -> Loaded:
+    """All configuration checks that need no model: YAML, TRL keys, plugins, dataset columns."""
+    cfg = load_config(path, overrides)
+    name = cfg.script_args.dataset_name or "arithmetic"
+    if name.startswith("arithmetic") or os.path.exists(name.split(":")[0]):
+        train, _ = load_datasets(cfg)
+        check_columns(cfg.plugins, list(train.column_names))
+    reward_functions(cfg)
+    return cfg
+
+
+def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run a training config end to end; returns the metrics written to ``<output_dir>/metrics.json``."""
+    cfg = load_config(path, overrides)
+    train_set, eval_set = load_datasets(cfg)
+    check_columns(cfg.plugins, list(train_set.column_names))
+    funcs = reward_functions(cfg)
+
+    from trl import get_peft_config, get_quantization_config
+
+    from trl_credit.evaluate import heldout_accuracy, plot_reward_curve, write_metrics
+    from trl_credit.models import resolve_model
+    from trl_credit.trainer import CreditGRPOTrainer
+
+    targs, margs = cfg.training_args, cfg.model_args
+    model_path = resolve_model(margs.model_name_or_path)
+    init_kwargs = dict(revision=margs.model_revision, trust_remote_code=targs.trust_remote_code,
+                       attn_implementation=margs.attn_implementation, dtype=margs.dtype)
+    init_kwargs.update(targs.model_init_kwargs or {})
+    targs.model_init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
+    started = time.time()
+    trainer = CreditGRPOTrainer(
+        model=model_path,
+        reward_funcs=funcs,
+        args=targs,
+        train_dataset=train_set,
+        eval_dataset=eval_set if targs.eval_strategy != "no" else None,
+        quantization_config=get_quantization_config(margs),
+        peft_config=get_peft_config(margs),
+        plugins=cfg.plugins,
+    )
+    metrics: dict[str, Any] = {"config": os.path.abspath(path), "model": margs.model_name_or_path,
+                               "plugins": cfg.plugins.names, "load_in_4bit": bool(margs.load_in_4bit),
+                               "use_peft": bool(margs.use_peft)}
+    n_eval = cfg.credit_args.heldout_samples
+    heldout = None
+    if n_eval and eval_set is not None:
+        heldout = eval_set.select(range(min(n_eval, len(eval_set))))
+        metrics["heldout_accuracy_before"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
+        trainer.accelerator.print(f"held-out accuracy before training: {metrics['heldout_accuracy_before']:.3f} "
+                                  f"({len(heldout)} prompts, greedy)")
+    trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    metrics["train_seconds"] = round(time.time() - started, 1)
+    trainer.save_model(targs.output_dir)
+    if heldout is not None:
+        metrics["heldout_accuracy_after"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
+        trainer.accelerator.print(f"held-out accuracy after training:  {metrics['heldout_accuracy_after']:.3f}")
+    history = trainer.state.log_history
+    metrics["log_history"] = history
+    if trainer.accelerator.is_main_process:
+        os.makedirs(targs.output_dir, exist_ok=True)
+        write_metrics(os.path.join(targs.output_dir, "metrics.json"), metrics)
+        plot_reward_curve(history, os.path.join(targs.output_dir, "reward_curve.png"))
+        trainer.accelerator.print(f"metrics: {os.path.join(targs.output_dir, 'metrics.json')}, "
+                                  f"reward curve: {os.path.join(targs.output_dir, 'reward_curve.png')}")
+    return metrics
+
+
+def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> float:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    was_training = model.training
+    model.eval()
+    try:
+        return heldout_accuracy(model, trainer.processing_class, dataset, reward_fn=reward_fn,
+                                max_new_tokens=cfg.credit_args.heldout_max_new_tokens)
+    finally:
+        model.train(was_training)
+
+
+def dump(metrics: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in metrics.items() if k != "log_history"}, indent=2, default=str)

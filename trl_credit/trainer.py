@@ -1,0 +1,436 @@
+"""The TRL seam: `CreditGRPOTrainer`, a drop-in `trl.GRPOTrainer` with a ``plugins=`` argument.
+
+Wrap, never copy. The only GRPOTrainer methods overridden here are small seams, each calling the
+original: ``_calculate_rewards`` (to keep the round's inputs), the *tail* of
+``_generate_and_score_completions`` (its output is post-processed: rewards shaped, rollouts
+filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-sequence losses),
+``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
+``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state). With no plugins enabled
+every seam returns TRL's result untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler, use_adapter
+
+from trl_credit.batch import PromptStats, RolloutBatch
+from trl_credit.config import PluginSet, build_plugins, check_columns, check_reward_columns
+from trl_credit.pipeline import Pipeline
+from trl_credit.sampler import CurriculumSampler
+
+PROMPT_INDEX = "trl_credit_prompt_index"
+STATE_FILE = "trl_credit_state.pt"
+PER_SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # loss averages over rows, so dropped rows dilute
+RIGHT_PADDED = {  # per-row outputs of _generate_and_score_completions and their padding value
+    "completion_mask": 0,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 0.0,
+    "tool_mask": 1,
+}
+
+
+class CreditGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` plus ``plugins``: a list of names or ``{"name": ..., **options}`` (or a `PluginSet`).
+
+    Plugins act in the order given within each hook family. Everything else is GRPOTrainer's.
+    """
+
+    def __init__(self, *args: Any, plugins: Any = None, **kwargs: Any):
+        self.credit_plugins = plugins if isinstance(plugins, PluginSet) else build_plugins(plugins)
+        self.pipeline = Pipeline(self.credit_plugins)
+        kwargs = dict(inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments)
+        kwargs.pop("self")
+        dataset = kwargs.get("train_dataset")
+        if self.pipeline.active and dataset is not None and hasattr(dataset, "column_names"):
+            check_columns(self.credit_plugins, list(dataset.column_names))
+            if PROMPT_INDEX not in dataset.column_names and hasattr(dataset, "add_column"):
+                kwargs["train_dataset"] = dataset.add_column(PROMPT_INDEX, list(range(len(dataset))))
+        self.prompt_stats = PromptStats.empty(len(dataset) if hasattr(dataset, "__len__") else 0)
+        self._credit_round: dict[str, Any] = {}
+        self._credit_skip_update = False
+        self._refill_iter = None
+        super().__init__(**kwargs)
+        if self.pipeline.active:
+            check_reward_columns(self.credit_plugins, list(self.reward_func_names))
+            self.add_callback(_ObserverCallback(self))
+
+    # ------------------------------------------------------------------ seams
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.pipeline.active:
+            self._credit_round = {"inputs": inputs, "prompts": prompts, "completions": completions, "rewards": rewards}
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.pipeline.active or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        quota = None
+        rounds = []
+        for round_index in range(self.pipeline.max_refill_rounds + 1):
+            if round_index:
+                inputs = self._next_refill_inputs()
+            output = super()._generate_and_score_completions(inputs)
+            batch = self._rollout_batch(output)
+            self.pipeline.shape_rewards(batch)
+            self.pipeline.filter_rollouts(batch)
+            rounds.append((output, batch))
+            quota = quota or batch.num_groups
+            kept_groups = sum(int(b.grouped(b.kept).all(dim=1).sum()) for _, b in rounds)
+            if kept_groups >= quota or not self.pipeline.max_refill_rounds:
+                break
+        if len(rounds) > 1:
+            output, batch = self._assemble(rounds, quota)
+        return self._finish(output, batch, rounds)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        kept = inputs.get("trl_credit_kept")
+        if kept is not None and self.loss_type in PER_SEQUENCE_LOSSES:
+            # dropped rows add 0 to the row-mean; rescale so the mean runs over kept rows only
+            loss = loss * (kept.numel() / kept.sum().clamp(min=1))
+        return loss
+
+    def _get_train_sampler(self, dataset=None):
+        if self.pipeline.has("prompt_weights"):
+            dataset = self.train_dataset if dataset is None else dataset
+            return CurriculumSampler(
+                num_prompts=len(dataset),
+                prompts_per_batch=self.args.generation_batch_size // self.num_generations,
+                mini_repeat_count=self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                seed=self.args.seed,
+                weights_fn=lambda: self.pipeline.prompt_weights(self.prompt_stats, self.state.global_step),
+            )
+        return super()._get_train_sampler(dataset)
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.pipeline.active and not getattr(optimizer, "_trl_credit_guard", False):
+            step = optimizer.step
+
+            def guarded_step(*a, **k):
+                if self._credit_skip_update:
+                    return None
+                return step(*a, **k)
+
+            optimizer.step = guarded_step
+            optimizer._trl_credit_guard = True
+        return optimizer
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.pipeline.active and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            state = {"plugins": self.pipeline.state_dict(), "prompt_stats": self.prompt_stats.state_dict()}
+            torch.save(state, os.path.join(folder, STATE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.pipeline.active:
+            path = os.path.join(checkpoint, STATE_FILE)
+            if os.path.exists(path):
+                state = torch.load(path, weights_only=False)
+                self.pipeline.load_state_dict(state["plugins"])
+                self.prompt_stats.load_state_dict(state["prompt_stats"])
+
+    # ------------------------------------------------------------------ batch
+    def _rollout_batch(self, output: dict[str, Any]) -> RolloutBatch:
+        """The gathered `RolloutBatch` of one round (identical on every rank)."""
+        stash = self._credit_round
+        local_inputs = stash["inputs"]
+        pad_id = self._tokenizer.pad_token_id
+        completion_ids = _gather_padded(self.accelerator, output["completion_ids"], pad_id)
+        completion_mask = _gather_padded(self.accelerator, output["completion_mask"], 0)
+        skip = {"prompt", "completion", "completion_ids", "image", "images"}
+        local_columns = [{k: v for k, v in row.items() if k not in skip} for row in local_inputs]
+        rows = gather_object(local_columns)
+        keys = list(local_columns[0]) if local_columns else []
+        columns = {k: [r.get(k) for r in rows] for k in keys}
+        index = columns.pop(PROMPT_INDEX, None)
+        prompt_index = torch.tensor(index if index is not None else [-1] * len(rows), dtype=torch.long)
+        batch = RolloutBatch(
+            prompts=gather_object(list(stash["prompts"])),
+            completions=gather_object(list(stash["completions"])),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            rewards=stash["rewards"].clone(),
+            reward_names=list(self.reward_func_names),
+            reward_weights=self.reward_weights.clone().to(torch.float32),
+            num_generations=self.num_generations,
+            columns=columns,
+            prompt_index=prompt_index.to(completion_ids.device),
+            step=self.state.global_step,
+            args=self.args,
+            tokenizer=self._tokenizer,
+            scorer=_TrainerScorer(self, output),
+        )
+        return batch
+
+    def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list) -> dict[str, Any]:
+        kept = batch.kept
+        n, width = batch.completion_ids.shape
+        advantages = torch.zeros(n, device=batch.device)
+        kept_rows = kept.nonzero().squeeze(1)
+        if kept_rows.numel():
+            view = batch.select(kept_rows)
+            adv = self.pipeline.compute_advantages(view)
+            adv = self.pipeline.transform_advantages(view, adv)
+            if adv.dim() == 2:
+                advantages = torch.zeros(n, width, device=batch.device)
+            advantages[kept_rows] = adv.to(advantages.device)
+        self.pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
+        self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)
+
+        local_n = output["completion_ids"].shape[0]
+        rank = self.accelerator.process_index
+        local = slice(rank * local_n, (rank + 1) * local_n)
+        local_adv = advantages[local]
+        if local_adv.dim() == 2:
+            local_adv = local_adv[:, : output["completion_ids"].shape[1]]
+        output["advantages"] = local_adv.to(output["completion_ids"].device)
+        local_kept = kept[local].to(output["completion_ids"].device)
+        if not bool(kept.all()):
+            output["completion_mask"] = output["completion_mask"] * local_kept.unsqueeze(1).to(output["completion_mask"].dtype)
+            mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+            output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+            output["trl_credit_kept"] = local_kept
+        self._credit_skip_update = not bool(kept.any())
+        self._log_round_metrics(batch, rounds)
+        return output
+
+    def _log_round_metrics(self, batch: RolloutBatch, rounds: list) -> None:
+        metrics = self._metrics["train"]
+        metrics["trl_credit/kept_fraction"].append(batch.kept.float().mean().item())
+        if self.pipeline.has("filter_rollouts"):
+            metrics["trl_credit/generation_rounds"].append(float(len(rounds)))
+            extra = sum(int(b.completion_mask.sum()) for _, b in rounds[1:])
+            metrics["trl_credit/extra_tokens"].append(float(extra))
+            metrics["trl_credit/skipped_update"].append(float(self._credit_skip_update))
+            if self._credit_skip_update:
+                self.accelerator.print(
+                    f"[trl-credit] step {batch.step}: every completion was filtered out "
+                    f"({len(rounds)} generation round(s)); the optimiser step is skipped"
+                )
+        for _, b in rounds:
+            for name, values in b.metrics.items():
+                metrics[f"trl_credit/{name}"].append(sum(values) / len(values))
+        for name, seconds in self.pipeline.pop_timings().items():
+            metrics[name].append(seconds)
+
+    # ------------------------------------------------------------------ refill
+    def _next_refill_inputs(self) -> list[dict[str, Any]]:
+        """The next local generation batch from a separate, seeded, uniform prompt stream."""
+        if self._refill_iter is None:
+            self._refill_loader = self._get_dataloader(
+                dataset=self.train_dataset,
+                description="Refill",
+                batch_size=self._train_batch_size * self.args.steps_per_generation,
+                sampler_fn=lambda ds: RepeatSampler(
+                    ds,
+                    mini_repeat_count=self.num_generations,
+                    batch_size=self.args.generation_batch_size // self.num_generations,
+                    repeat_count=1,
+                    shuffle=True,
+                    seed=self.args.seed + 7919,
+                ),
+                is_training=True,
+                dataloader_key="trl_credit_refill",
+            )
+            self._refill_iter = iter(self._refill_loader)
+        try:
+            return next(self._refill_iter)
+        except StopIteration:
+            self._refill_iter = iter(self._refill_loader)
+            return next(self._refill_iter)
+
+    def _assemble(self, rounds: list, quota: int) -> tuple[dict[str, Any], RolloutBatch]:
+        """Keep the first ``quota`` kept groups over all rounds (topped up with dropped ones), re-sliced per rank."""
+        acc = self.accelerator
+        pad_id = self._tokenizer.pad_token_id
+        g = self.num_generations
+        per_row = ["prompt_ids", "prompt_mask", "completion_ids", *RIGHT_PADDED]
+        unknown = [k for k, v in rounds[0][0].items()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in per_row and k != "advantages"]
+        if unknown:
+            raise NotImplementedError(f"refill does not support these inputs yet: {unknown}")
+        gathered = []  # per round: dict of global tensors
+        for output, _ in rounds:
+            cols = {}
+            for key in per_row:
+                if output.get(key) is None:
+                    continue
+                left = key.startswith("prompt")
+                value = pad_id if key in ("prompt_ids", "completion_ids") else RIGHT_PADDED.get(key, 0)
+                cols[key] = _gather_padded(acc, output[key], value, left=left)
+            gathered.append(cols)
+        batches = [b for _, b in rounds]
+        group_kept = [b.grouped(b.kept).all(dim=1) for b in batches]
+        chosen: list[tuple[int, int]] = [(r, gi) for r, k in enumerate(group_kept) for gi in k.nonzero().squeeze(1).tolist()]
+        chosen = chosen[:quota]
+        if len(chosen) < quota:  # not enough kept groups: fill with dropped ones (masked out)
+            dropped = [(r, gi) for r, k in enumerate(group_kept) for gi in (~k).nonzero().squeeze(1).tolist()]
+            chosen += dropped[: quota - len(chosen)]
+        chosen.sort()
+        merged: dict[str, Any] = {}
+        for key in gathered[0]:
+            left = key.startswith("prompt")
+            value = pad_id if key in ("prompt_ids", "completion_ids") else RIGHT_PADDED.get(key, 0)
+            width = max(c[key].shape[1] for c in gathered)
+            parts = [_pad_to(c[key], width, value, left) for c in gathered]
+            merged[key] = torch.cat([parts[r][gi * g:(gi + 1) * g] for r, gi in chosen])
+        # the combined RolloutBatch (same rows), with scores cached in every round carried over
+        width = merged["completion_ids"].shape[1]
+        rows_by_round = [[gi * g + j for (r2, gi) in chosen if r2 == r for j in range(g)] for r in range(len(rounds))]
+        views = [b.select(torch.tensor(rows, dtype=torch.long, device=b.device)) for b, rows in zip(batches, rows_by_round) if rows]
+        names = batches[0].reward_names
+        combined = RolloutBatch(
+            prompts=sum((v.prompts for v in views), []),
+            completions=sum((v.completions for v in views), []),
+            completion_ids=merged["completion_ids"],
+            completion_mask=merged["completion_mask"],
+            rewards=torch.cat([v.rewards for v in views]),
+            reward_names=list(names),
+            reward_weights=batches[0].reward_weights,
+            num_generations=g,
+            columns={k: sum((v.columns[k] for v in views), []) for k in views[0].columns},
+            prompt_index=torch.cat([v.prompt_index for v in views]),
+            step=batches[0].step,
+            args=self.args,
+            tokenizer=self._tokenizer,
+            kept=torch.cat([v.kept for v in views]),
+        )
+        for kind in ("policy_logps", "policy_entropies", "ref_logps"):
+            if all(kind in b.token_cache for b in batches):
+                combined.token_cache[kind] = torch.cat(
+                    [_pad_to(v._token_scores(kind), width, 0.0, False) for v in views])
+        local_n = rounds[0][0]["completion_ids"].shape[0]
+        rank = acc.process_index
+        local = slice(rank * local_n, (rank + 1) * local_n)
+        output = dict(rounds[0][0])
+        for key, value in merged.items():
+            output[key] = value[local]
+        for key in ("prompt_ids", "prompt_mask"):  # trim shared left padding
+            keep_cols = output["prompt_mask"].any(dim=0)
+            first = int(keep_cols.float().argmax()) if keep_cols.any() else 0
+            output[key] = output[key][:, first:]
+        combined.scorer = _TrainerScorer(self, output)
+        return output, combined
+
+
+class _TrainerScorer:
+    """No-grad scoring with the trainer's model: local rows computed on each rank, then gathered."""
+
+    def __init__(self, trainer: CreditGRPOTrainer, output: dict[str, Any]):
+        self.trainer = trainer
+        self.output = output
+        self._local: dict[str, torch.Tensor] = {}  # policy log-probs and entropies come from one pass
+
+    def _forward(self, use_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        t, out = self.trainer, self.output
+        input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        keep = out["completion_ids"].shape[1]
+        batch_size = t.args.per_device_train_batch_size
+        with torch.no_grad():
+            if not use_reference:
+                return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
+                                                             compute_entropy=True)[:2]
+            if t.ref_model is not None:
+                return t._get_per_token_logps_and_entropies(t.ref_model, input_ids, attention, keep, batch_size)[:2]
+            model = t.accelerator.unwrap_model(t.model)
+            if not hasattr(model, "peft_config"):
+                raise RuntimeError(
+                    "reference log-probs were asked for, but this run has no reference model: set beta > 0 "
+                    "(TRL then loads one) or train a PEFT adapter (the reference is the base with adapters disabled)"
+                )
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
+
+    def token_scores(self, kind: str) -> torch.Tensor:
+        out, acc = self.output, self.trainer.accelerator
+        if kind == "policy_logps" and out.get("old_per_token_logps") is not None:
+            local = out["old_per_token_logps"]  # TRL computed it with the same weights: reuse
+        elif kind == "ref_logps" and out.get("ref_per_token_logps") is not None:
+            local = out["ref_per_token_logps"]
+        elif kind in self._local:
+            local = self._local.pop(kind)
+        else:
+            logps, entropies = self._forward(use_reference=(kind == "ref_logps"))
+            local = logps
+            if kind != "ref_logps":
+                self._local = {"policy_logps": logps, "policy_entropies": entropies}
+                local = self._local.pop(kind)
+        return _gather_padded(acc, local.float(), 0.0)
+
+    def continuation_logps(self, prefixes, continuations, model):
+        t = self.trainer
+        acc = t.accelerator
+        tok = t._tokenizer
+        world, rank = acc.num_processes, acc.process_index
+        mine = list(range(rank, len(prefixes), world))
+        results: list[tuple[int, list[float]]] = []
+        device = acc.device
+        chunk = max(1, t.args.per_device_train_batch_size)
+        for start in range(0, len(mine), chunk):
+            idx = mine[start:start + chunk]
+            pre = [tok(prefixes[i], add_special_tokens=False)["input_ids"] for i in idx]
+            cont = [tok(continuations[i], add_special_tokens=False)["input_ids"] for i in idx]
+            seqs = [p + c for p, c in zip(pre, cont)]
+            width = max(len(s) for s in seqs)
+            keep = max(max(len(c) for c in cont), 1)
+            ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+            att = torch.zeros((len(seqs), width), dtype=torch.long)
+            for j, s in enumerate(seqs):  # left padding: every continuation ends at the last column
+                ids[j, width - len(s):] = torch.tensor(s, dtype=torch.long)
+                att[j, width - len(s):] = 1
+            scorer = _TrainerScorer(t, {"prompt_ids": ids[:, : width - keep].to(device),
+                                        "prompt_mask": att[:, : width - keep].to(device),
+                                        "completion_ids": ids[:, width - keep:].to(device),
+                                        "completion_mask": att[:, width - keep:].to(device)})
+            logps, _ = scorer._forward(use_reference=(model == "reference"))
+            for j, i in enumerate(idx):
+                n = len(cont[j])
+                results.append((i, logps[j, keep - n:].float().cpu().tolist() if n else []))
+        merged = dict(gather_object(results))
+        return [torch.tensor(merged[i], dtype=torch.float32) for i in range(len(prefixes))]
+
+
+class _ObserverCallback(TrainerCallback):
+    """Broadcasts the observer hooks and the all-dropped skip notice."""
+
+    def __init__(self, trainer: CreditGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.pipeline.broadcast("on_train_begin", state.global_step, trainer=self.trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        logs = state.log_history[-1] if state.log_history else {}
+        self.trainer.pipeline.broadcast("on_step_end", state.global_step, trainer=self.trainer,
+                                        step=state.global_step, logs=dict(logs))
+
+
+def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    if x.dim() < 2 or x.shape[1] >= width:
+        return x
+    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def _gather_padded(accelerator, x: torch.Tensor, value: float, left: bool = False) -> torch.Tensor:
+    """Gather ``(n, T_rank, ...)`` tensors from every rank, padding dim 1 to the widest."""
+    if accelerator.num_processes == 1:
+        return x
+    x = accelerator.pad_across_processes(x, dim=1, pad_index=value, pad_first=left)
+    return gather(x)
