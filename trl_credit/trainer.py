@@ -20,6 +20,7 @@ import torch
 from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
@@ -342,7 +343,7 @@ class _TrainerScorer:
         attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         keep = out["completion_ids"].shape[1]
         batch_size = t.args.per_device_train_batch_size
-        with torch.no_grad():
+        with torch.no_grad(), disable_gradient_checkpointing(t.model, t.args.gradient_checkpointing_kwargs):
             if not use_reference:
                 return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
                                                              compute_entropy=True)[:2]

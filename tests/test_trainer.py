@@ -1,0 +1,290 @@
+"""The TRL seam on a tiny model: parity with GRPOTrainer, filtering, refill, scorers, state, curricula."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import zlib
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+import plugins_for_tests as fx
+from trl_credit.builtin import grpo_advantages
+from trl_credit.pipeline import PluginRuntimeError
+from trl_credit.trainer import STATE_FILE
+
+
+def _h(completion) -> int:
+    text = completion[-1]["content"] if isinstance(completion, list) else completion
+    return zlib.crc32(text.encode())
+
+
+def parity_reward(completions, **kwargs):
+    return [float(_h(c) % 5) / 4 for c in completions]
+
+
+def sometimes_none(completions, **kwargs):
+    return [None if _h(c) % 3 == 0 else float(_h(c) % 2) for c in completions]
+
+
+def often_none(completions, **kwargs):
+    return [None if _h(c) % 3 in (0, 1) else 1.0 for c in completions]
+
+
+def generation_inputs(dataset, prompts=3, g=4):
+    return [copy.deepcopy(dataset[i // g]) for i in range(prompts * g)]
+
+
+def both_paths(trainer, inputs, seed=0):
+    """(ours, TRL's) outputs of _generate_and_score_completions on the same samples."""
+    trainer.model.train()
+    torch.manual_seed(seed)
+    ours = trainer._generate_and_score_completions(copy.deepcopy(inputs))
+    torch.manual_seed(seed)
+    theirs = GRPOTrainer._generate_and_score_completions(trainer, copy.deepcopy(inputs))
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    return ours, theirs
+
+
+def loss(trainer, inputs, cls=None):
+    trainer.current_gradient_accumulation_steps = 1
+    fn = (cls or type(trainer)).compute_loss
+    return fn(trainer, trainer.model, inputs)
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_host_pipeline_reproduces_trl_advantages_and_loss(make_trainer, arithmetic, aggregation, scale):
+    trainer = make_trainer(plugins=[fx.Passthrough], reward_funcs=[parity_reward, sometimes_none, often_none],
+                           per_device_train_batch_size=12, multi_objective_aggregation=aggregation,
+                           scale_rewards=scale)
+    ours, theirs = both_paths(trainer, generation_inputs(arithmetic))
+    assert trainer.credit_plugins.plugins[0].instance.batches == 1  # the pipeline really ran
+    rewards = trainer._credit_round["rewards"]
+    assert torch.isnan(rewards).any(), "the fixture should produce None rewards"
+    assert torch.equal(ours["advantages"], theirs["advantages"])
+    assert "trl_credit_kept" not in ours
+    assert torch.equal(loss(trainer, ours), loss(trainer, theirs, GRPOTrainer))
+
+
+def test_no_plugins_is_trl_untouched(make_trainer, arithmetic):
+    trainer = make_trainer(plugins=None, reward_funcs=[parity_reward])
+    assert not trainer.pipeline.active
+    ours, theirs = both_paths(trainer, generation_inputs(arithmetic, prompts=2))
+    assert ours.keys() == theirs.keys() and torch.equal(ours["advantages"], theirs["advantages"])
+    assert trainer._credit_round == {}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+def test_dropped_groups_add_nothing_and_do_not_dilute(make_trainer, arithmetic, loss_type):
+    trainer = make_trainer(plugins=[fx.DropFirstGroup], reward_funcs=[parity_reward], loss_type=loss_type)
+    ours, theirs = both_paths(trainer, generation_inputs(arithmetic, prompts=2))
+    assert ours["trl_credit_kept"].tolist() == [False] * 4 + [True] * 4
+    assert torch.all(ours["advantages"][:4] == 0) and torch.all(ours["completion_mask"][:4] == 0)
+    assert torch.equal(ours["advantages"][4:], theirs["advantages"][4:])  # group-normalised: unchanged
+    kept_only = {k: (v[4:] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in theirs.items()}
+    kept_only["num_items_in_batch"] = theirs["completion_mask"][4:].sum()
+    assert ours["num_items_in_batch"] == kept_only["num_items_in_batch"]
+    torch.testing.assert_close(loss(trainer, ours), loss(trainer, kept_only, GRPOTrainer), rtol=1e-6, atol=1e-7)
+    assert trainer._metrics["train"]["trl_credit/kept_fraction"][-1] == 0.5
+
+
+class DropAllAfterFirstStep:
+    """Keeps everything at step 0, drops everything later."""
+
+    from trl_credit import hookimpl
+
+    @hookimpl
+    def filter_rollouts(self, batch):
+        return torch.full((batch.num_groups,), batch.step == 0)
+
+
+def test_all_dropped_batch_skips_the_optimizer_step_and_says_so(make_trainer, capsys):
+    from transformers import TrainerCallback
+
+    snapshots = {}
+
+    class Snap(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            snapshots[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    trainer = make_trainer(plugins=[DropAllAfterFirstStep], reward_funcs=[parity_reward], max_steps=2)
+    initial = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.add_callback(Snap())
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(initial, snapshots[1])), "step 1 trains"
+    final = [p.detach() for p in trainer.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[1], final)), \
+        "an all-dropped batch must not move the weights (AdamW momentum would)"
+    logs = [h for h in trainer.state.log_history if "trl_credit/skipped_update" in h]
+    assert [h["trl_credit/skipped_update"] for h in logs] == [0.0, 1.0]
+    assert "every completion was filtered out" in capsys.readouterr().out
+
+
+def prompt_gated_reward(completions, trl_credit_prompt_index, **kwargs):
+    """Constant for most prompts; varies with the completion for prompts whose index is divisible by 8."""
+    return [float(_h(c) % 2) if i % 8 == 0 else 1.0 for c, i in zip(completions, trl_credit_prompt_index)]
+
+
+def test_refill_tops_up_kept_groups_and_logs_rounds(make_trainer, arithmetic):
+    seen = []
+
+    class Record(fx.Passthrough):
+        from trl_credit import hookimpl
+
+        @hookimpl
+        def on_batch_end(self, batch, advantages):
+            seen.append((batch.rewards.clone(), batch.kept.clone(), advantages.clone(), batch.prompt_index.clone()))
+
+    trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 6}, Record],
+                           reward_funcs=[prompt_gated_reward], max_steps=3)
+    trainer.train()
+    metrics = [h for h in trainer.state.log_history if "trl_credit/generation_rounds" in h]
+    rounds = [h["trl_credit/generation_rounds"] for h in metrics]
+    assert len(rounds) == 3 and max(rounds) > 1
+    for h in metrics:
+        if h["trl_credit/generation_rounds"] > 1:
+            assert h["trl_credit/extra_tokens"] > 0
+        if h["trl_credit/kept_fraction"] < 1:
+            assert h["trl_credit/generation_rounds"] == 7  # only when the rounds ran out
+    for rewards, kept, advantages, prompt_index in seen:
+        assert rewards.shape[0] == 8  # the quota: as many groups as one round had
+        rows = kept.nonzero().squeeze(1)
+        expected = grpo_advantages(rewards[rows], torch.ones(1), 4, "group", "sum_then_normalize")
+        torch.testing.assert_close(advantages[rows], expected)
+        assert torch.all(advantages[~kept] == 0)
+        assert all(int(i) % 8 == 0 for i in prompt_index[rows])  # only non-constant prompts survive
+
+
+def test_plugin_failure_stops_the_run_with_name_and_step(make_trainer):
+    trainer = make_trainer(plugins=[fx.Raises], reward_funcs=[parity_reward])
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'raises' raised in shape_rewards at step 0: ZeroDivisionError"):
+        trainer.train()
+
+
+def test_wrong_shape_stops_the_run(make_trainer):
+    trainer = make_trainer(plugins=[fx.Broken], reward_funcs=[parity_reward])
+    with pytest.raises(PluginRuntimeError, match=r"'broken' returned advantages of shape \(9,\)"):
+        trainer.train()
+
+
+def test_token_level_advantages_reach_the_loss(make_trainer, arithmetic):
+    trainer = make_trainer(plugins=[fx.TokenCredit], reward_funcs=[parity_reward], loss_type="grpo")
+    ours, theirs = both_paths(trainer, generation_inputs(arithmetic, prompts=2))
+    positions = torch.arange(1, ours["completion_ids"].shape[1] + 1)
+    expected = theirs["advantages"].unsqueeze(1) * positions * theirs["completion_mask"]
+    torch.testing.assert_close(ours["advantages"], expected)
+    assert torch.isfinite(loss(trainer, ours))
+
+
+def test_plugin_metrics_and_timings_are_logged_under_its_name(make_trainer):
+    trainer = make_trainer(plugins=[fx.DropFirstGroup], reward_funcs=[parity_reward], max_steps=1)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["trl_credit/drop_first_group/kept_fraction"] == 0.5
+    assert logged["trl_credit/drop_first_group/seconds"] >= 0
+    assert logged["trl_credit/grpo/seconds"] >= 0
+
+
+def _count_scoring_passes(trainer):
+    calls = []
+    original = trainer._get_per_token_logps_and_entropies
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    return calls
+
+
+def test_nothing_is_scored_unless_a_plugin_asks(make_trainer, arithmetic):
+    trainer = make_trainer(plugins=[fx.Passthrough, fx.DropFirstGroup], reward_funcs=[parity_reward])
+    calls = _count_scoring_passes(trainer)
+    trainer.model.train()
+    trainer._generate_and_score_completions(generation_inputs(arithmetic, prompts=2))
+    assert calls == []
+
+
+def test_scorers_are_lazy_cached_and_match_the_model(make_trainer, arithmetic):
+    from peft import LoraConfig
+
+    trainer = make_trainer(plugins=[fx.Scores], reward_funcs=[parity_reward])
+    # a PEFT run: reference = adapters disabled; perturb LoRA B so policy and reference differ
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(trainer.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    trainer.model = peft_model
+    calls = _count_scoring_passes(trainer)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(generation_inputs(arithmetic, prompts=2))
+    seen = trainer.credit_plugins.plugins[0].instance.seen
+    assert len(calls) == 3  # policy log-probs + entropies share one pass; reference; continuation
+
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    width = out["completion_ids"].shape[1]
+    with torch.no_grad():
+        logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, peft_model, ids, mask, width, 8, compute_entropy=True)
+        with peft_model.disable_adapter():
+            ref, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, peft_model, ids, mask, width, 8)
+    m = out["completion_mask"].bool()
+    torch.testing.assert_close(seen["policy_logps"][m], logps[m])
+    torch.testing.assert_close(seen["policy_entropies"][m], entropies[m])
+    torch.testing.assert_close(seen["ref_logps"][m], ref[m])
+    assert not torch.allclose(seen["ref_logps"][m], seen["policy_logps"][m])
+
+    tok = trainer._tokenizer
+    pre = tok("What is 2 + 2?", add_special_tokens=False)["input_ids"]
+    cont = tok(" 4", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = peft_model(torch.tensor([pre + cont])).logits[0, len(pre) - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(seen["continuation"][0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_plugin_state_and_prompt_stats_survive_checkpoint_and_resume(make_trainer, tmp_path):
+    trainer = make_trainer(plugins=[fx.Counter], reward_funcs=[parity_reward], max_steps=2,
+                           save_strategy="steps", save_steps=2)
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    state = torch.load(checkpoint / STATE_FILE, weights_only=False)
+    assert state["plugins"] == {"counter": {"count": 2}}
+    seen_before = trainer.prompt_stats.seen.clone()
+    assert seen_before.sum() == 16
+
+    resumed = make_trainer(plugins=[fx.Counter], reward_funcs=[parity_reward], max_steps=3,
+                           save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.credit_plugins.plugins[0].instance.count == 3
+    assert resumed.prompt_stats.seen.sum() == 24
+    assert torch.all(resumed.prompt_stats.seen >= seen_before)
+
+
+def test_curriculum_draws_only_weighted_prompts_deterministically(make_trainer):
+    drawn = []
+
+    class Record(fx.Passthrough):
+        from trl_credit import hookimpl
+
+        @hookimpl
+        def on_batch_end(self, batch, advantages):
+            drawn.append(batch.prompt_index.tolist())
+
+    trainer = make_trainer(plugins=[fx.PreferLowIndex, Record], reward_funcs=[parity_reward], max_steps=3)
+    trainer.train()
+    assert len(drawn) == 3 and all(0 <= i < 8 for batch in drawn for i in batch)
+    assert all(len(set(b[k:k + 4])) == 1 for b in drawn for k in (0, 4))  # whole groups
+    again = []
+    trainer2 = make_trainer(plugins=[fx.PreferLowIndex, Record], reward_funcs=[parity_reward], max_steps=3)
+    drawn_first, drawn[:] = list(drawn), []
+    trainer2.train()
+    assert drawn == drawn_first
