@@ -1,0 +1,57 @@
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes N` (CPU, gloo).
+
+Trains 2 steps on the tiny model with whole-group plugins (a constant-group filter with refill and a
+token-credit transform) and saves, per rank, the gathered batch each hook saw, the advantages the
+host computed for it and the local slice the rank trained on.
+"""
+
+import sys
+import zlib
+
+import torch
+from trl import GRPOConfig
+
+import plugins_for_tests as fx
+from trl_credit import hookimpl
+from trl_credit.data import make_arithmetic
+from trl_credit.models import tiny_model_path
+from trl_credit.trainer import CreditGRPOTrainer
+
+torch.set_num_threads(1)
+out_dir = sys.argv[1]
+records = []
+
+
+def reward(completions, trl_credit_prompt_index, **kwargs):
+    text = [c[-1]["content"] for c in completions]
+    return [float(zlib.crc32(t.encode()) % 2) if i % 3 else 1.0 for t, i in zip(text, trl_credit_prompt_index)]
+
+
+class Record:
+    """Keeps every finished batch."""
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        records.append({"completion_ids": batch.completion_ids.cpu(), "completion_mask": batch.completion_mask.cpu(),
+                        "rewards": batch.rewards.cpu(), "kept": batch.kept.cpu(), "advantages": advantages.cpu(),
+                        "prompts": batch.prompts, "prompt_index": batch.prompt_index.cpu()})
+
+
+class CreditRecorder(CreditGRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        records[-1]["local_advantages"] = output["advantages"].cpu()
+        records[-1]["local_completion_ids"] = output["completion_ids"].cpu()
+        return output
+
+
+args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
+                  max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+                  learning_rate=1e-3)
+trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
+                         train_dataset=make_arithmetic(64, seed=0),
+                         plugins=[{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
+trainer.train()
+rank = trainer.accelerator.process_index
+torch.save({"world": trainer.accelerator.num_processes, "records": records,
+            "log_history": trainer.state.log_history}, f"{out_dir}/rank{rank}.pt")

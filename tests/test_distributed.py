@@ -1,0 +1,52 @@
+"""Two processes on CPU give the same advantages as one process for the same samples."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import plugins_for_tests as fx
+from trl_credit.config import build_plugins
+from trl_credit.testing import make_batch, run_plugin
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.distributed
+def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_model):
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+           str(HERE / "distributed_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2], "accelerate must really start two processes"
+    steps0, steps1 = ranks[0]["records"], ranks[1]["records"]
+    assert len(steps0) == len(steps1) == 2
+    for a, b in zip(steps0, steps1):
+        # every hook saw the same, whole, gathered batch on both ranks (3 groups of 4 split 6/6 over ranks)
+        for key in ("completion_ids", "rewards", "kept", "advantages", "prompt_index"):
+            assert torch.equal(a[key], b[key]), key
+        assert a["prompts"] == b["prompts"] and a["rewards"].shape[0] == 12
+        # each rank trained on its slice of the host's advantages
+        full = a["advantages"]
+        assert full.dim() == 2  # token-level credit
+        assert torch.equal(a["local_advantages"], full[:6, : a["local_advantages"].shape[1]])
+        assert torch.equal(b["local_advantages"], full[6:, : b["local_advantages"].shape[1]])
+        # one process, same samples: the same plugins give the same advantages
+        batch = make_batch(a["rewards"], num_generations=4, completion_ids=a["completion_ids"],
+                           completion_mask=a["completion_mask"], pad_token_id=-1)
+        plugins = build_plugins([{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit])
+        single = run_plugin(None, batch, plugins=plugins)
+        assert torch.equal(single.keep, a["kept"])
+        torch.testing.assert_close(single.advantages, full)
+    rounds = [h["trl_credit/generation_rounds"] for h in ranks[0]["log_history"] if "trl_credit/generation_rounds" in h]
+    assert rounds == [h["trl_credit/generation_rounds"] for h in ranks[1]["log_history"]
+                      if "trl_credit/generation_rounds" in h]
+    assert max(rounds) > 1, f"the fixture is built so that refill happens across processes: {rounds}"
