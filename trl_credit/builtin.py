@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from trl_credit.hookspecs import hookimpl
 
@@ -25,8 +25,10 @@ class GRPOAdvantage:
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        scale_rewards: Literal["group", "batch", "none"] | None = None
-        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = None
+        scale_rewards: Literal["group", "batch", "none"] | None = Field(
+            None, description="std used to scale advantages; None: the GRPOConfig value")
+        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
+            None, description="how reward columns combine; None: the GRPOConfig value")
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()

@@ -90,7 +90,11 @@ def _describe(info, with_config: bool = True) -> dict:
 
 
 def _type_name(annotation) -> str:
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+    import typing
+
+    if typing.get_origin(annotation) is None and hasattr(annotation, "__name__"):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
 def _plugins(args) -> int:

@@ -135,7 +135,7 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     for index, (name, options) in enumerate(items):
         if isinstance(name, type):  # a class passed in Python: used as is, nothing to discover
             cls, info = name, None
-            name = getattr(cls, "name", None) or _snake(cls.__name__)
+            name = plugin_name(cls)
         else:
             info = installed.get(name)
             if info is None:
@@ -230,6 +230,31 @@ def check_columns(plugins: PluginSet, columns: list[str]) -> None:
                 )
     if problems:
         raise ConfigError(problems)
+
+
+def reward_names(reward_funcs: list) -> list[str]:
+    """The column names TRL gives reward functions (``__name__``) and reward models (last path part)."""
+    names = []
+    for func in reward_funcs:
+        if isinstance(func, str):
+            names.append(func.rstrip("/").split("/")[-1])
+        elif hasattr(func, "config") and hasattr(func.config, "_name_or_path"):
+            names.append(func.config._name_or_path.split("/")[-1])
+        else:
+            names.append(getattr(func, "__name__", type(func).__name__))
+    return names
+
+
+def plugin_name(cls: type) -> str:
+    """The handle a class goes by: its ``name`` attribute, the entry point naming it, or snake_case."""
+    explicit = getattr(cls, "name", None)
+    if isinstance(explicit, str):
+        return explicit
+    target = f"{cls.__module__}:{cls.__qualname__}"
+    for handle, info in available().items():
+        if info.value == target:
+            return handle
+    return _snake(cls.__name__)
 
 
 def check_reward_columns(plugins: PluginSet, reward_names: list[str]) -> None:

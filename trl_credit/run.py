@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns
+from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
 
 
 @dataclass
@@ -131,7 +131,7 @@ def validate(path: str, overrides: list[str] | None = None) -> Loaded:
     if name.startswith("arithmetic") or os.path.exists(name.split(":")[0]):
         train, _ = load_datasets(cfg)
         check_columns(cfg.plugins, list(train.column_names))
-    reward_functions(cfg)
+    check_reward_columns(cfg.plugins, reward_names(reward_functions(cfg)))
     return cfg
 
 
@@ -141,6 +141,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     train_set, eval_set = load_datasets(cfg)
     check_columns(cfg.plugins, list(train_set.column_names))
     funcs = reward_functions(cfg)
+    check_reward_columns(cfg.plugins, reward_names(funcs))
 
     from trl import get_peft_config, get_quantization_config
 

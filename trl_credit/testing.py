@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, instantiate
+from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, instantiate, plugin_name
 from trl_credit.hookspecs import HOOKS
 from trl_credit.pipeline import Pipeline
 from trl_credit.plugins import available, implemented_hooks, new_manager
@@ -164,7 +164,7 @@ def load_plugin(plugin: type | str) -> type:
 def plugin_set(plugin: type | str, config: dict[str, Any] | None = None, name: str | None = None) -> PluginSet:
     """Validate ``config`` and register one plugin exactly as the host would."""
     cls = load_plugin(plugin)
-    name = name or (plugin if isinstance(plugin, str) else cls.__name__)
+    name = name or (plugin if isinstance(plugin, str) else plugin_name(cls))
     instance, problems = instantiate(cls, dict(config or {}), 0, name)
     if problems:
         raise ConfigError(problems)

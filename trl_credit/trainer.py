@@ -24,7 +24,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import PluginSet, build_plugins, check_columns, check_reward_columns
+from trl_credit.config import PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
 from trl_credit.pipeline import Pipeline
 from trl_credit.sampler import CurriculumSampler
 
@@ -53,6 +53,9 @@ class CreditGRPOTrainer(GRPOTrainer):
         kwargs = dict(inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments)
         kwargs.pop("self")
         dataset = kwargs.get("train_dataset")
+        funcs = kwargs.get("reward_funcs")
+        if self.pipeline.active and funcs is not None:  # before the model loads
+            check_reward_columns(self.credit_plugins, reward_names(funcs if isinstance(funcs, list) else [funcs]))
         if self.pipeline.active and dataset is not None and hasattr(dataset, "column_names"):
             check_columns(self.credit_plugins, list(dataset.column_names))
             if PROMPT_INDEX not in dataset.column_names and hasattr(dataset, "add_column"):
@@ -63,7 +66,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self._refill_iter = None
         super().__init__(**kwargs)
         if self.pipeline.active:
-            check_reward_columns(self.credit_plugins, list(self.reward_func_names))
+            check_reward_columns(self.credit_plugins, list(self.reward_func_names))  # environments add rewards
             self.add_callback(_ObserverCallback(self))
 
     # ------------------------------------------------------------------ seams
