@@ -118,7 +118,10 @@ def reward_functions(cfg: Loaded) -> list:
     from trl_credit.rewards import resolve_reward_funcs
 
     names = list(cfg.script_args.reward_funcs or ["arithmetic_accuracy"])
-    funcs = resolve_reward_funcs(names, max_completion_len=cfg.training_args.max_completion_length or 1280)
+    try:
+        funcs = resolve_reward_funcs(names, max_completion_len=cfg.training_args.max_completion_length or 1280)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError([f"{cfg.path}: reward_funcs: {exc}"]) from None
     if cfg.script_args.reward_model_name_or_path:
         funcs.insert(0, cfg.script_args.reward_model_name_or_path)
     return funcs

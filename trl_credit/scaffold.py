@@ -75,7 +75,7 @@ def test_formula_vector():
     result = run_plugin({cls}, batch, {{"scale": 2.0}})
     expected = torch.tensor([1.5, -0.5, -0.5, -0.5, 1.0, 1.0, -1.0, -1.0])
     torch.testing.assert_close(result.advantages, expected)
-    assert result.metrics["{cls}/scale"] == 2.0
+    assert result.metrics["{name}/scale"] == 2.0
 
 
 def test_constant_group_gets_zero():
