@@ -16,6 +16,7 @@ import torch
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.builtin import GRPOAdvantage
 from trl_credit.config import EnabledPlugin, PluginSet
+from trl_credit.hookspecs import HOOKS
 
 
 class PluginRuntimeError(RuntimeError):
@@ -29,8 +30,7 @@ class Pipeline:
         self.plugins = plugins
         self._impls: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {}
         if plugins.manager is not None:
-            for hook in ("shape_rewards", "filter_rollouts", "compute_advantages", "transform_advantages",
-                         "prompt_weights", "on_train_begin", "on_batch_end", "on_step_end"):
+            for hook in HOOKS:
                 for impl in getattr(plugins.manager.hook, hook).get_hookimpls():
                     self._impls[(impl.plugin_name, hook)] = (impl.function, tuple(impl.argnames))
         estimators = plugins.with_hook("compute_advantages")

@@ -88,6 +88,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             batch = self._rollout_batch(output)
             self.pipeline.shape_rewards(batch)
             self.pipeline.filter_rollouts(batch)
+            self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)  # every rollout counts
             rounds.append((output, batch))
             quota = quota or batch.num_groups
             kept_groups = sum(int(b.grouped(b.kept).all(dim=1).sum()) for _, b in rounds)
@@ -194,7 +195,6 @@ class CreditGRPOTrainer(GRPOTrainer):
                 advantages = torch.zeros(n, width, device=batch.device)
             advantages[kept_rows] = adv.to(advantages.device)
         self.pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
-        self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)
 
         local_n = output["completion_ids"].shape[0]
         rank = self.accelerator.process_index
@@ -226,7 +226,8 @@ class CreditGRPOTrainer(GRPOTrainer):
                     f"[trl-credit] step {batch.step}: every completion was filtered out "
                     f"({len(rounds)} generation round(s)); the optimiser step is skipped"
                 )
-        for _, b in rounds:
+        batches = [b for _, b in rounds] + ([batch] if all(batch is not b for _, b in rounds) else [])
+        for b in batches:
             for name, values in b.metrics.items():
                 metrics[f"trl_credit/{name}"].append(sum(values) / len(values))
         for name, seconds in self.pipeline.pop_timings().items():
