@@ -158,8 +158,11 @@ class RolloutBatch:
                     f"with; in tests pass `{kind.split('_', 1)[1]}=` to trl_credit.testing.make_batch"
                 )
             root.token_cache[kind] = root.scorer.token_scores(kind)
-        scores = root.token_cache[kind]
-        return scores if self._rows is None else scores[self._rows]
+        if self._rows is None:
+            return root.token_cache[kind]
+        if kind not in self.token_cache:  # a view caches its own rows once
+            self.token_cache[kind] = root.token_cache[kind][self._rows]
+        return self.token_cache[kind]
 
     def policy_logps(self) -> torch.Tensor:
         """``(N, T)`` no-grad per-token log-probs of the completions under the current policy."""

@@ -24,7 +24,7 @@ import torch
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, instantiate, plugin_name
 from trl_credit.hookspecs import HOOKS
-from trl_credit.pipeline import Pipeline
+from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.plugins import available, implemented_hooks, new_manager
 
 
@@ -181,24 +181,11 @@ def run_plugin(plugin: type | str, batch: RolloutBatch, config: dict[str, Any] |
     pipeline = Pipeline(plugins)
     pipeline.shape_rewards(batch)
     keep = pipeline.filter_rollouts(batch)
-    advantages = _advantages(pipeline, batch, keep)
+    advantages = kept_advantages(pipeline, batch)
     pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
     metrics = {k: sum(v) / len(v) for k, v in batch.metrics.items()}
     return PluginResult(batch, batch.rewards, list(batch.reward_names), keep, advantages,
                         plugins.plugins[0].instance, metrics)
-
-
-def _advantages(pipeline: Pipeline, batch: RolloutBatch, keep: torch.Tensor) -> torch.Tensor:
-    n, t = batch.completion_ids.shape
-    rows = keep.nonzero().squeeze(1)
-    out = torch.zeros(n)
-    if rows.numel():
-        view = batch.select(rows)
-        adv = pipeline.transform_advantages(view, pipeline.compute_advantages(view))
-        if adv.dim() == 2:
-            out = torch.zeros(n, t)
-        out[rows] = adv
-    return out
 
 
 def run_curriculum(plugin: type | str, stats: PromptStats, config: dict[str, Any] | None = None,

@@ -25,7 +25,7 @@ from trl.trainer.utils import RepeatSampler, use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.config import PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
-from trl_credit.pipeline import Pipeline
+from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.sampler import CurriculumSampler
 
 PROMPT_INDEX = "trl_credit_prompt_index"
@@ -183,19 +183,10 @@ class CreditGRPOTrainer(GRPOTrainer):
         return batch
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list) -> dict[str, Any]:
-        kept = batch.kept
-        n, width = batch.completion_ids.shape
-        advantages = torch.zeros(n, device=batch.device)
-        kept_rows = kept.nonzero().squeeze(1)
-        if kept_rows.numel():
-            view = batch.select(kept_rows)
-            adv = self.pipeline.compute_advantages(view)
-            adv = self.pipeline.transform_advantages(view, adv)
-            if adv.dim() == 2:
-                advantages = torch.zeros(n, width, device=batch.device)
-            advantages[kept_rows] = adv.to(advantages.device)
+        advantages = kept_advantages(self.pipeline, batch)
         self.pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
 
+        kept = batch.kept
         local_n = output["completion_ids"].shape[0]
         rank = self.accelerator.process_index
         local = slice(rank * local_n, (rank + 1) * local_n)

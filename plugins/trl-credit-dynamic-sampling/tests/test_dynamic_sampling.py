@@ -33,20 +33,20 @@ def test_mixed_and_constant_groups():
     torch.testing.assert_close(result.advantages[[0, 1, 12, 14]],
                                torch.tensor([0.86588, -0.86588, -0.49980, 1.49940]), rtol=1e-4, atol=1e-5)
     m = result.metrics
-    assert m["DynamicSampling/kept_fraction"] == 0.5             # logged by the host
-    assert m["DynamicSampling/constant_groups"] == 0.5
-    assert m["DynamicSampling/constant_high"] == 0.25            # all 1
-    assert m["DynamicSampling/constant_low"] == 0.25             # all 0
-    assert m["DynamicSampling/no_reward_groups"] == 0.0
+    assert m["dynamic_sampling/kept_fraction"] == 0.5             # logged by the host
+    assert m["dynamic_sampling/constant_groups"] == 0.5
+    assert m["dynamic_sampling/constant_high"] == 0.25            # all 1
+    assert m["dynamic_sampling/constant_low"] == 0.25             # all 0
+    assert m["dynamic_sampling/no_reward_groups"] == 0.0
 
 
 def test_all_groups_constant_drops_everything():
     result = run_plugin(DynamicSampling, make_batch([1, 1, 1, 0, 0, 0, 0.3, 0.3, 0.3], num_generations=3))
     assert not result.keep.any()
     assert torch.equal(result.advantages, torch.zeros(9))
-    assert result.metrics["DynamicSampling/constant_groups"] == 1.0
-    assert result.metrics["DynamicSampling/constant_high"] == pytest.approx(2 / 3)   # 1 and 0.3 are > 0
-    assert result.metrics["DynamicSampling/constant_low"] == pytest.approx(1 / 3)
+    assert result.metrics["dynamic_sampling/constant_groups"] == 1.0
+    assert result.metrics["dynamic_sampling/constant_high"] == pytest.approx(2 / 3)   # 1 and 0.3 are > 0
+    assert result.metrics["dynamic_sampling/constant_low"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("tolerance, keep", [(0.0, [True, True]), (0.05, [False, True]),
@@ -68,10 +68,10 @@ def test_nan_rewards_are_ignored():
     a = 0.5 / (math.sqrt(0.5) + 1e-4)   # nan-aware: mean 0.5, unbiased std over the two finite values
     torch.testing.assert_close(result.advantages, torch.tensor([a, 0, -a, 0] + [0.0] * 12))
     m = result.metrics
-    assert m["DynamicSampling/constant_groups"] == 0.75
-    assert m["DynamicSampling/no_reward_groups"] == 0.25
-    assert m["DynamicSampling/constant_high"] == 0.25
-    assert m["DynamicSampling/constant_low"] == 0.25
+    assert m["dynamic_sampling/constant_groups"] == 0.75
+    assert m["dynamic_sampling/no_reward_groups"] == 0.25
+    assert m["dynamic_sampling/constant_high"] == 0.25
+    assert m["dynamic_sampling/constant_low"] == 0.25
 
 
 def test_group_range_helper():
@@ -83,7 +83,7 @@ def test_single_completion_per_group_drops_all():
     result = run_plugin(DynamicSampling, make_batch([1, 0, 1, 0.5], num_generations=1))
     assert result.keep.tolist() == [False] * 4
     assert torch.equal(result.advantages, torch.zeros(4))           # host: all-zero advantages
-    assert result.metrics["DynamicSampling/constant_groups"] == 1.0
+    assert result.metrics["dynamic_sampling/constant_groups"] == 1.0
 
 
 # ------------------------------------------------------------------------- which reward
