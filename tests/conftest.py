@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on these machines: fail fast instead of timing out
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import pytest
 import torch
 
