@@ -140,6 +140,7 @@ def validate(path: str, overrides: list[str] | None = None) -> Loaded:
 
 def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run a training config end to end; returns the metrics written to ``<output_dir>/metrics.json``."""
+    started = time.time()
     cfg = load_config(path, overrides)
     train_set, eval_set = load_datasets(cfg)
     check_columns(cfg.plugins, list(train_set.column_names))
@@ -158,7 +159,6 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
                        attn_implementation=margs.attn_implementation, dtype=margs.dtype)
     init_kwargs.update(targs.model_init_kwargs or {})
     targs.model_init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
-    started = time.time()
     trainer = CreditGRPOTrainer(
         model=model_path,
         reward_funcs=funcs,
@@ -176,15 +176,20 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     heldout = None
     if n_eval and eval_set is not None:
         heldout = eval_set.select(range(min(n_eval, len(eval_set))))
+        clock = time.time()
         metrics["heldout_accuracy_before"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
+        metrics["heldout_seconds"] = round(time.time() - clock, 1)
         trainer.accelerator.print(f"held-out accuracy before training: {metrics['heldout_accuracy_before']:.3f} "
-                                  f"({len(heldout)} prompts, greedy)")
+                                  f"({len(heldout)} prompts, greedy, {metrics['heldout_seconds']} s)")
+    clock = time.time()
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    metrics["train_seconds"] = round(time.time() - started, 1)
+    metrics["train_seconds"] = round(time.time() - clock, 1)
+    metrics["seconds_per_step"] = round(metrics["train_seconds"] / max(trainer.state.global_step, 1), 2)
     trainer.save_model(targs.output_dir)
     if heldout is not None:
         metrics["heldout_accuracy_after"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
         trainer.accelerator.print(f"held-out accuracy after training:  {metrics['heldout_accuracy_after']:.3f}")
+    metrics["total_seconds"] = round(time.time() - started, 1)
     history = trainer.state.log_history
     metrics["log_history"] = history
     if trainer.accelerator.is_main_process:

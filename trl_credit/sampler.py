@@ -35,8 +35,7 @@ class CurriculumSampler(Sampler[int]):
         self.repeat_count = repeat_count
         self.seed = seed
         self.weights_fn = weights_fn
-        self.batches_drawn = 0  # across epochs, so a resumed run keeps its stream apart from the first
-        self.history: list[list[int]] = []  # prompts of each drawn batch (bounded), for tests and logs
+        self.batches_drawn = 0  # across epochs: every generation batch gets its own seed
 
     def __len__(self) -> int:
         batches = self.num_prompts // self.prompts_per_batch
@@ -51,13 +50,11 @@ class CurriculumSampler(Sampler[int]):
             chosen = torch.randperm(self.num_prompts, generator=generator)[: self.prompts_per_batch]
         else:
             weights = weights.to(torch.float64)
-            positive = int((weights > 0).sum())
-            if positive < self.prompts_per_batch:  # too few weighted prompts: top up uniformly
-                weights = weights + (weights == 0) * weights[weights > 0].min() * 1e-6 if positive else torch.ones_like(weights)
+            positive = weights > 0
+            if int(positive.sum()) < self.prompts_per_batch:  # too few weighted prompts: the rest uniformly
+                weights = torch.where(positive, weights, weights[positive].min() * 1e-6 if positive.any() else 1.0)
             chosen = torch.multinomial(weights, self.prompts_per_batch, replacement=False, generator=generator)
-        prompts = chosen.tolist()
-        self.history = (self.history + [prompts])[-1000:]
-        return prompts
+        return chosen.tolist()
 
     def __iter__(self) -> Iterator[int]:
         for _ in range(self.num_prompts // self.prompts_per_batch):
