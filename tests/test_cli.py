@@ -68,7 +68,14 @@ def test_validate_reports_errors_before_any_model_load(tmp_path, capsys, body, e
 def test_train_override_errors_are_reported(tmp_path, capsys):
     path = write(tmp_path, "dataset_name: arithmetic\nuse_cpu: true\n")
     code, _, err = run(capsys, "validate", path, "--max_steps", "many")
-    assert code == 2 and "invalid value" in err
+    assert code == 2 and "invalid value for a TRL option: argument --max_steps/--max-steps: invalid int value: 'many'" in err
+    assert "usage:" not in err
+
+
+def test_bad_dataset_option_is_a_config_error(tmp_path, capsys):
+    path = write(tmp_path, "dataset_name: 'arithmetic:digits=3'\nuse_cpu: true\n")
+    code, _, err = run(capsys, "validate", path)
+    assert code == 2 and "dataset 'arithmetic:digits=3'" in err and "digits" in err
 
 
 def test_new_plugin_skeleton_installs_and_its_tests_pass(tmp_path, capsys):

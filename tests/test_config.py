@@ -45,7 +45,9 @@ def test_unknown_plugin_suggests_name_lists_installed_and_says_how_to_install():
     assert "plugins[0] (add_bonnus)" in msg
     assert "Did you mean 'add_bonus'?" in msg
     assert "Installed: add_bonus, constant_estimator" in msg
-    assert "pip install trl-credit-add-bonnus" in msg
+    assert "pip install" not in msg  # a close match is the fix; install hints are for names with none
+    (other,) = problems(["zzz_method"])
+    assert "pip install trl-credit-zzz-method" in other and "trl-credit install zzz_method" in other
 
 
 def test_ill_typed_and_unknown_options_name_plugin_and_key():
@@ -120,3 +122,17 @@ def test_broken_plugin_that_is_not_enabled_does_not_break_other_runs(broken_entr
 def test_entry_points_can_be_switched_off(broken_entry_point, monkeypatch):
     monkeypatch.setenv("TRL_CREDIT_NO_ENTRY_POINTS", "1")
     assert set(available()) == {"grpo"}
+
+
+def test_hook_with_an_argument_the_spec_lacks_is_a_config_error():
+    from trl_credit import hookimpl
+
+    class ExtraArgument:
+        """Asks for an argument no hook gives."""
+
+        @hookimpl
+        def shape_rewards(self, batch, tokenizer):
+            return None
+
+    with pytest.raises(ConfigError, match=r"(?s)plugins\[0\] \(extra_argument\).*tokenizer"):
+        build_plugins([ExtraArgument])

@@ -151,3 +151,21 @@ def test_check_plugin_accepts_the_fixtures_and_rejects_a_bad_config():
         check_plugin(NoDescriptions)
     with pytest.raises(AssertionError, match="NaN/inf value"):
         check_plugin(fx.MakesNaN)
+
+
+def test_completion_level_drops_keep_whole_groups_for_the_estimator():
+    class DropFirstOfEachGroup:
+        """Drops completion 0 of every group."""
+
+        from trl_credit import hookimpl
+
+        @hookimpl
+        def filter_rollouts(self, batch):
+            return torch.arange(batch.num_completions) % batch.num_generations != 0
+
+    batch = make_batch([1, 0, 0, 0, 1, 1, 0, 1], num_generations=4)
+    result = run_plugin(DropFirstOfEachGroup, batch)
+    full = grpo_advantages(batch.rewards, torch.ones(1), 4, "group", "sum_then_normalize")
+    expected = full.clone()
+    expected[[0, 4]] = 0.0
+    torch.testing.assert_close(result.advantages, expected)

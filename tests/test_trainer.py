@@ -288,3 +288,24 @@ def test_curriculum_draws_only_weighted_prompts_deterministically(make_trainer):
     drawn_first, drawn[:] = list(drawn), []
     trainer2.train()
     assert drawn == drawn_first
+
+
+def test_observers_see_training_begin_and_every_step_with_its_metrics(make_trainer):
+    events = []
+
+    class Observer:
+        """Records observer calls."""
+
+        from trl_credit import hookimpl
+
+        @hookimpl
+        def on_train_begin(self, trainer):
+            events.append(("begin", trainer.state.global_step))
+
+        @hookimpl
+        def on_step_end(self, trainer, step, logs):
+            events.append(("step", step, logs.get("trl_credit/kept_fraction")))
+
+    trainer = make_trainer(plugins=[Observer], reward_funcs=[parity_reward], max_steps=2)
+    trainer.train()
+    assert events == [("begin", 0), ("step", 1, 1.0), ("step", 2, 1.0)]

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from trl_credit.run import dump, train
 
-            print(dump(train(args.config, _overrides(args.overrides))))
+            metrics = train(args.config, _overrides(args.overrides))
+            if metrics.get("is_main_process", True):
+                print(dump(metrics))
         elif args.command == "validate":
             from trl_credit.run import validate
 

@@ -100,10 +100,12 @@ def unknown_plugin_message(index: int, name: str, installed: dict[str, Available
     public = sorted(n for n, a in installed.items() if not a.builtin)
     close = difflib.get_close_matches(name, list(installed), n=1, cutoff=0.6)
     alt = difflib.get_close_matches(name.replace("_", "-"), [n.replace("_", "-") for n in installed], n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else (f" Did you mean '{alt[0]}'?" if alt else "")
+    suggestion = close[0] if close else (alt[0].replace("-", "_") if alt else None)
+    installed_list = f"Installed: {', '.join(public) if public else 'none'}."
+    if suggestion:
+        return f"plugins[{index}] ({name}): no plugin named '{name}' is installed. Did you mean '{suggestion}'? {installed_list}"
     return (
-        f"plugins[{index}] ({name}): no plugin named '{name}' is installed.{hint} "
-        f"Installed: {', '.join(public) if public else 'none'}. "
+        f"plugins[{index}] ({name}): no plugin named '{name}' is installed. {installed_list} "
         f"Install it with `trl-credit install {name}` (or `pip install trl-credit-{name.replace('_', '-')}`)."
     )
 
@@ -161,9 +163,11 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
             manager.check_pending()
         except pluggy.PluginValidationError as exc:
             problems.append(
-                f"plugins[{index}] ({name}): {exc}. Hooks a plugin may implement: {', '.join(hookspecs.HOOKS)}"
+                f"plugins[{index}] ({name}): {exc}. Hooks a plugin may implement: {', '.join(hookspecs.HOOKS)} "
+                "(see `trl-credit plugins show grpo` or docs/hooks.md for their arguments)"
             )
-            manager.unregister(instance)
+            if manager.is_registered(instance):
+                manager.unregister(instance)
             continue
         if not hooks:
             problems.append(
@@ -266,7 +270,7 @@ def check_reward_columns(plugins: PluginSet, reward_names: list[str]) -> None:
             if col not in reward_names:
                 problems.append(
                     f"plugins[{p.index}] ({p.name}): needs reward column '{col}', but the reward functions "
-                    f"are {reward_names}; add it to reward_funcs or set the plugin's column option"
+                    f"are {reward_names}; add it to reward_funcs or point the plugin's option at one of these"
                 )
     if problems:
         raise ConfigError(problems)

@@ -210,11 +210,18 @@ class Pipeline:
 
 
 def kept_advantages(pipeline: Pipeline, batch: RolloutBatch) -> torch.Tensor:
-    """Estimator + transforms on the kept groups; ``(N,)`` or ``(N, T)`` with 0 for dropped rows."""
-    if bool(batch.kept.all()):  # common case: no copy, no scatter
+    """Estimator + transforms on every group with a kept completion; 0 for dropped completions.
+
+    The estimator always sees whole groups: a group is left out only when all of its completions
+    are dropped. Completions dropped inside a kept group still count in its baseline (as TRL does
+    for truncated completions) and get advantage 0 afterwards.
+    """
+    kept = batch.kept
+    if bool(kept.all()):  # common case: no copy, no scatter
         return pipeline.transform_advantages(batch, pipeline.compute_advantages(batch))
     n, width = batch.completion_ids.shape
-    rows = batch.kept.nonzero().squeeze(1)
+    groups = batch.grouped(kept).any(dim=1).repeat_interleave(batch.num_generations)
+    rows = groups.nonzero().squeeze(1)
     advantages = torch.zeros(n, device=batch.device)
     if rows.numel():
         view = batch.select(rows)
@@ -222,4 +229,5 @@ def kept_advantages(pipeline: Pipeline, batch: RolloutBatch) -> torch.Tensor:
         if adv.dim() == 2:
             advantages = torch.zeros(n, width, device=batch.device)
         advantages[rows] = adv.to(advantages.device)
+        advantages[~kept] = 0.0
     return advantages

@@ -89,10 +89,17 @@ def load_config(path: str, overrides: list[str] | None = None) -> Loaded:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
         yaml.safe_dump(rest, handle)
         stripped = handle.name
+    import contextlib
+    import io
+
+    usage = io.StringIO()
     try:
-        parsed = parser.parse_args_and_config(["--config", stripped, *(overrides or [])])
-    except SystemExit as exc:  # argparse reports ill-typed values by exiting
-        raise ConfigError([f"{path}: invalid value for a TRL option (see the message above); exit {exc.code}"]) from None
+        with contextlib.redirect_stderr(usage):
+            parsed = parser.parse_args_and_config(["--config", stripped, *(overrides or [])])
+    except SystemExit:  # argparse reports ill-typed values by printing its usage and exiting
+        lines = [line for line in usage.getvalue().splitlines() if "error:" in line]
+        reason = lines[-1].split("error:", 1)[1].strip() if lines else usage.getvalue().strip()[-500:]
+        raise ConfigError([f"{path}: invalid value for a TRL option: {reason}"]) from None
     except (ValueError, TypeError) as exc:
         raise ConfigError([f"{path}: {exc}"]) from None
     finally:
@@ -110,8 +117,11 @@ def load_datasets(cfg: Loaded):
 
         loaded = get_dataset(cfg.dataset_args)
         return loaded[args.dataset_train_split], loaded.get(args.dataset_test_split)
-    return load_train_eval(args.dataset_name, args.dataset_config, args.dataset_train_split, args.dataset_test_split,
-                           seed=cfg.training_args.seed)
+    try:
+        return load_train_eval(args.dataset_name, args.dataset_config, args.dataset_train_split,
+                               args.dataset_test_split, seed=cfg.training_args.seed)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([f"{cfg.path}: dataset {args.dataset_name!r}: {exc}"]) from None
 
 
 def reward_functions(cfg: Loaded) -> list:
@@ -198,6 +208,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
         plot_reward_curve(history, os.path.join(targs.output_dir, "reward_curve.png"))
         trainer.accelerator.print(f"metrics: {os.path.join(targs.output_dir, 'metrics.json')}, "
                                   f"reward curve: {os.path.join(targs.output_dir, 'reward_curve.png')}")
+    metrics["is_main_process"] = trainer.accelerator.is_main_process
     return metrics
 
 
@@ -213,4 +224,5 @@ def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> floa
 
 
 def dump(metrics: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in metrics.items() if k != "log_history"}, indent=2, default=str)
+    hidden = ("log_history", "is_main_process")
+    return json.dumps({k: v for k, v in metrics.items() if k not in hidden}, indent=2, default=str)

@@ -412,9 +412,10 @@ class _ObserverCallback(TrainerCallback):
         self.trainer.pipeline.broadcast("on_train_begin", state.global_step, trainer=self.trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
-        logs = state.log_history[-1] if state.log_history else {}
+        window = self.trainer._metrics["train"]  # this logging window's values, before TRL averages them
+        logs = {k: sum(v) / len(v) for k, v in window.items() if v}
         self.trainer.pipeline.broadcast("on_step_end", state.global_step, trainer=self.trainer,
-                                        step=state.global_step, logs=dict(logs))
+                                        step=state.global_step, logs=logs)
 
 
 def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
