@@ -309,3 +309,28 @@ def test_observers_see_training_begin_and_every_step_with_its_metrics(make_train
     trainer = make_trainer(plugins=[Observer], reward_funcs=[parity_reward], max_steps=2)
     trainer.train()
     assert events == [("begin", 0), ("step", 1, 1.0), ("step", 2, 1.0)]
+
+
+def test_refilled_batch_counts_only_its_own_tokens(make_trainer, monkeypatch):
+    sentinel = torch.tensor(10**6)
+    original = GRPOTrainer._generate_and_score_completions
+
+    def marked(self, inputs):  # TRL's count for one round, marked so a stale one is visible
+        out = original(self, inputs)
+        out["num_items_in_batch"] = sentinel
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", marked)
+    trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 6}],
+                           reward_funcs=[prompt_gated_reward], loss_type="dapo")
+    trainer.model.train()
+    refilled = 0
+    for start in (0, 8, 16):  # prompts 0, 8, 16 vary; 1-7, 9-15 are constant: refill is needed
+        inputs = [copy.deepcopy(trainer.train_dataset[start + i // 4]) for i in range(8)]
+        out = trainer._generate_and_score_completions(inputs)
+        if trainer._metrics["train"]["trl_credit/generation_rounds"][-1] > 1:
+            refilled += 1
+            assert out["num_items_in_batch"] == out["completion_mask"].sum()
+        else:
+            assert out["num_items_in_batch"] is sentinel  # one round, all kept: TRL's own count
+    assert refilled

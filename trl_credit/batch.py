@@ -177,9 +177,13 @@ class RolloutBatch:
         return self._token_scores("ref_logps")
 
     def mean_policy_logps(self) -> torch.Tensor:
-        """``(N,)`` token-mean policy log-prob per completion (0 for empty completions)."""
-        mask = self.completion_mask.to(torch.float32)
-        return (self.policy_logps() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        """``(N,)`` token-mean policy log-prob per completion (0 for empty completions), cached."""
+        if "mean_policy_logps" not in self.token_cache:
+            logps = self.policy_logps()
+            mask = self.completion_mask.to(logps.dtype)
+            total = torch.bmm(logps.unsqueeze(1), mask.unsqueeze(2)).reshape(-1)  # masked row sums in one kernel
+            self.token_cache["mean_policy_logps"] = total / self.completion_lengths.clamp(min=1).to(logps.dtype)
+        return self.token_cache["mean_policy_logps"]
 
     def continuation_logps(
         self,

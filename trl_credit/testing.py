@@ -112,7 +112,8 @@ def make_batch(
     if completion_mask is not None:
         mask = completion_mask.long()
     if args is None:
-        args = default_args(max_completion_length=ids.shape[1], num_generations=num_generations, **arg_overrides)
+        args = default_args(**{"max_completion_length": ids.shape[1], "num_generations": num_generations,
+                               **arg_overrides})
     tensors = {}
     for kind, value in (("policy_logps", logps), ("policy_entropies", entropies), ("ref_logps", ref_logps)):
         if value is not None:
@@ -255,11 +256,9 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
 def edge_case_batches() -> list:
     """Factories of the edge cases every plugin must survive (see `check_plugin`)."""
-    g = torch.Generator().manual_seed(0)
-    t = 6
-
     def scored(rewards, num_generations, lengths):
-        n = len(rewards)
+        n, t = len(rewards), max(max(lengths), 1)
+        g = torch.Generator().manual_seed(n * 1000 + t)  # the same scores every time a factory is called
         return make_batch(rewards, num_generations, lengths=lengths,
                           logps=-torch.rand(n, t, generator=g), entropies=torch.rand(n, t, generator=g),
                           ref_logps=-torch.rand(n, t, generator=g),

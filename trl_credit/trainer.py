@@ -195,11 +195,13 @@ class CreditGRPOTrainer(GRPOTrainer):
             local_adv = local_adv[:, : output["completion_ids"].shape[1]]
         output["advantages"] = local_adv.to(output["completion_ids"].device)
         local_kept = kept[local].to(output["completion_ids"].device)
-        if not bool(kept.all()):
+        all_kept = bool(kept.all())
+        if not all_kept:
             output["completion_mask"] = output["completion_mask"] * local_kept.unsqueeze(1).to(output["completion_mask"].dtype)
+            output["trl_credit_kept"] = local_kept
+        if not all_kept or len(rounds) > 1:  # TRL counted the tokens of round 0 as generated: recount
             mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-            output["trl_credit_kept"] = local_kept
         self._credit_skip_update = not bool(kept.any())
         self._log_round_metrics(batch, rounds)
         return output
