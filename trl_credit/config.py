@@ -211,29 +211,22 @@ def instantiate(cls: type, options: dict[str, Any], index: int = 0, name: str = 
         return None, [f"plugins[{index}] ({name}): creating the plugin failed:\n{traceback.format_exc()}"]
 
 
-def required_columns(plugins: PluginSet) -> dict[str, list[str]]:
-    """Dataset columns each plugin needs (its optional ``required_columns()`` method)."""
-    out = {}
+def _missing(plugins: PluginSet, method: str, present: list[str], describe) -> None:
+    """Raise `ConfigError` for every name a plugin's ``method()`` needs that is not in ``present``."""
+    problems = []
     for p in plugins.plugins:
-        fn = getattr(p.instance, "required_columns", None)
-        if fn is not None:
-            out[p.key] = list(fn())
-    return out
+        fn = getattr(p.instance, method, None)
+        problems += [f"plugins[{p.index}] ({p.name}): {describe(name)}" for name in (fn() if fn else [])
+                     if name not in present]
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_columns(plugins: PluginSet, columns: list[str]) -> None:
-    """Raise `ConfigError` when a plugin needs a dataset column the training set lacks."""
-    problems = []
-    for p in plugins.plugins:
-        fn = getattr(p.instance, "required_columns", None)
-        for col in list(fn()) if fn else []:
-            if col not in columns:
-                problems.append(
-                    f"plugins[{p.index}] ({p.name}): needs dataset column '{col}', which the training "
-                    f"dataset lacks (columns: {', '.join(columns)}); add it or set the plugin's column option"
-                )
-    if problems:
-        raise ConfigError(problems)
+    """Raise `ConfigError` when a plugin needs (``required_columns()``) a dataset column the training set lacks."""
+    _missing(plugins, "required_columns", columns,
+             lambda col: f"needs dataset column '{col}', which the training dataset lacks (columns: "
+                         f"{', '.join(columns)}); add it or set the plugin's column option")
 
 
 def reward_names(reward_funcs: list) -> list[str]:
@@ -262,15 +255,7 @@ def plugin_name(cls: type) -> str:
 
 
 def check_reward_columns(plugins: PluginSet, reward_names: list[str]) -> None:
-    """Raise `ConfigError` when a plugin needs a reward column no reward function produces."""
-    problems = []
-    for p in plugins.plugins:
-        fn = getattr(p.instance, "required_rewards", None)
-        for col in list(fn()) if fn else []:
-            if col not in reward_names:
-                problems.append(
-                    f"plugins[{p.index}] ({p.name}): needs reward column '{col}', but the reward functions "
-                    f"are {reward_names}; add it to reward_funcs or point the plugin's option at one of these"
-                )
-    if problems:
-        raise ConfigError(problems)
+    """Raise `ConfigError` when a plugin needs (``required_rewards()``) a reward column no reward function produces."""
+    _missing(plugins, "required_rewards", reward_names,
+             lambda col: f"needs reward column '{col}', but the reward functions are {reward_names}; add it "
+                         "to reward_funcs or point the plugin's option at one of these")
