@@ -545,6 +545,48 @@ def hook_costs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Options some installed plugins need on the synthetic batch (2 binary reward columns, 1,024 groups of 8).
+BENCH_OPTIONS = {"riskpo": {"bundle_size": 8}, "drpo": {"reward": "accuracy"}}
+
+
+def installed_plugin_costs(args: argparse.Namespace) -> dict[str, Any]:
+    """Median ms of one host round (shape -> filter -> estimator -> transforms) per installed plugin."""
+    from trl_credit.pipeline import Pipeline, kept_advantages
+    from trl_credit.plugins import available
+    from trl_credit.testing import plugin_set
+
+    names = args.installed or sorted(n for n, a in available().items() if not a.builtin)
+    n, t = parse_sizes(args.sizes)[-1]
+    out = {}
+    print(f"\ninstalled plugins, one host round at {n}x{t} (median ms, target {HOOK_TARGET_MS:.0f})")
+    for name in names:
+        batch = build_batch(n, t, args.group_size, args.prompts, args.seed)
+        base = (batch.rewards.clone(), list(batch.reward_names), batch.reward_weights.clone())
+        pipeline = Pipeline(plugin_set(name, BENCH_OPTIONS.get(name)))
+
+        def setup() -> None:
+            batch.rewards, batch.reward_names, batch.reward_weights = base[0].clone(), list(base[1]), base[2].clone()
+            batch.kept = torch.ones(n, dtype=torch.bool)
+            pipeline.seconds.clear()
+
+        def round_() -> None:
+            pipeline.shape_rewards(batch)
+            pipeline.filter_rollouts(batch)
+            kept_advantages(pipeline, batch)
+
+        plugin_ms: list[float] = []
+
+        def call() -> None:
+            round_()
+            plugin_ms.append(1000.0 * pipeline.seconds[name])
+
+        ms = _time(call, setup, args.calls)
+        out[name] = {"ms": statistics.median(ms), "plugin_ms": statistics.median(plugin_ms[1:]),
+                     "options": BENCH_OPTIONS.get(name, {})}
+        print(f"  {name:<24} round {out[name]['ms']:8.1f}   plugin hooks {out[name]['plugin_ms']:8.1f}")
+    return out
+
+
 # ====================================================================== report
 def print_trainer(res: dict[str, Any]) -> None:
     print(f"\nTrainer overhead: {res['model']}  plugins={res['plugins'] or 'none'}  "
@@ -613,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default on; off with --quick)")
     g.add_argument("--plugins", nargs="*", default=[], metavar="NAME", help="installed plugins to enable in the host")
     h = p.add_argument_group("hook cost")
+    h.add_argument("--installed", nargs="*", default=None, metavar="NAME",
+                   help="also time installed plugins (no names: every installed one) at the largest size")
     h.add_argument("--sizes", default=DEFAULT_SIZES, help=f"NxT list (default {DEFAULT_SIZES})")
     h.add_argument("--group-size", type=int, default=8, help="G, completions per prompt")
     h.add_argument("--prompts", type=int, default=100_000, help="P, prompts the curriculum weighs")
@@ -660,6 +704,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         print("\n[2] hook cost", flush=True)
         report["hooks"] = hook_costs(args)
         print_hooks(report["hooks"])
+    if args.installed is not None:
+        report["installed_plugins"] = installed_plugin_costs(args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

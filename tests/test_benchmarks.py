@@ -73,3 +73,15 @@ def test_report_environment_and_return_value(quick_report):
 
 def test_parse_sizes():
     assert _load().parse_sizes("1024x256, 8192X1024") == [(1024, 256), (8192, 1024)]
+
+
+def test_installed_plugin_costs(tmp_path):
+    from trl_credit.plugins import available
+
+    installed = sorted(n for n, a in available().items() if not a.builtin)
+    if not installed:
+        pytest.skip("no plugin installed")
+    report = _load().main(["--quick", "--only", "hooks", "--installed", installed[0],
+                           "--json", str(tmp_path / "b.json")])
+    row = report["installed_plugins"][installed[0]]
+    assert _positive(row["ms"]) and _positive(row["plugin_ms"])
