@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from trl_credit.batch import RolloutBatch
 
-__all__ = ["GTPO", "conflict_counts", "conflict_delta", "conflict_runs"]
+__all__ = ["GTPO", "conflict_counts", "conflict_delta", "conflict_runs", "window_runs"]
 
 
 def _conflicts(keys: torch.Tensor, voter: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
@@ -86,9 +86,41 @@ def _initial_run(c: torch.Tensor) -> torch.Tensor:
     return torch.arange(c.shape[1], device=c.device)[None, :] < first[:, None]
 
 
+def window_runs(ids: torch.Tensor, lengths: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
+                group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conflict runs inside the leading window ``w`` of each direction, never touching all ``T`` positions.
+
+    A run ends at its first non-conflict position, so only the first ``w`` positions from the start,
+    and the last ``w`` of the right-aligned tokens, are compared: ``w`` starts at 16 and doubles while
+    some run still reaches the window's edge. Same runs as comparing every position.
+
+    :param lengths: ``(N,)`` long ``|o_i|`` (the completion mask is a right-padded prefix).
+    :return: ``(start, end_reversed, ids_start, ids_end)``, each ``(N, w)``: ``start[i, j] = r^f_{i,j}``,
+        ``end_reversed[i, j] = r^b_{i, L_i - 1 - j}``, and the ids at those positions.
+    """
+    import torch
+
+    n, t = ids.shape
+    voting = (positive | negative)[:, None]
+    w = min(t, 16)
+    while True:
+        j = torch.arange(w, device=ids.device)[None, :]
+        inside = j < lengths[:, None]                                      # (N, w): j-th token exists
+        ids_start = ids[:, :w]
+        ids_end = ids.gather(1, (lengths[:, None] - 1 - j).clamp(min=0))   # j-th token from the end
+        # both directions in one comparison: (N, 2w) = [first w tokens | last w tokens, reversed]
+        keys = torch.cat([ids_start, ids_end], dim=1).to(torch.int32)
+        voter = torch.cat([inside, inside], dim=1) & voting
+        both = _conflicts(keys, voter, positive, negative, group)
+        start, end_reversed = _initial_run(both[:, :w]) & inside, _initial_run(both[:, w:]) & inside
+        if w == t or not (start[:, -1].any() or end_reversed[:, -1].any()):
+            return start, end_reversed, ids_start, ids_end
+        w = min(2 * w, t)
+
+
 def conflict_runs(ids: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
                   group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Conflict runs from the start and from the end of each completion.
+    """Conflict runs from the start and from the end of each completion, as full ``(N, T)`` masks.
 
     :param ids: ``(N, T)`` long completion ids (< 2**30); ``mask``: ``(N, T)`` completion mask (a
         right-padded prefix); ``positive``/``negative``: ``(N,)`` bool sets of their group (``N = M G``).
@@ -99,30 +131,13 @@ def conflict_runs(ids: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
     import torch
 
     n, t = ids.shape
-    inside = mask.bool()
-    lengths = inside.sum(dim=1, keepdim=True)                              # (N, 1) L_i
-    j = torch.arange(t, device=ids.device)[None, :]
-    flip = (lengths - 1 - j).clamp_(min=0)                                 # reverse the first L_i tokens
-    inside_rev = j < lengths                                               # right-aligned: j = L_i - 1 - t
-    ids32 = ids.to(torch.int32)
-    ids_rev = ids32.gather(1, flip)
-    voting = (positive | negative)[:, None]
-    # A run ends at its first non-conflict position, so only a window of leading positions (from the
-    # start, and from the end of the right-aligned tokens) needs comparing: begin with 16 and double
-    # the window while some run still reaches its edge. Same result as comparing all T positions.
-    w = min(t, 16)
-    while True:
-        # both directions in one comparison: (N, 2w) = [first w tokens | last w tokens, reversed]
-        keys = torch.cat([ids32[:, :w], ids_rev[:, :w]], dim=1)
-        voter = torch.cat([inside[:, :w], inside_rev[:, :w]], dim=1) & voting
-        both = _conflicts(keys, voter, positive, negative, group)
-        run_start, run_end = _initial_run(both[:, :w]), _initial_run(both[:, w:])
-        if w == t or not (run_start[:, -1].any() or run_end[:, -1].any()):
-            break
-        w = min(2 * w, t)
-    start = torch.nn.functional.pad(run_start, (0, t - w)) & inside
-    end_reversed = torch.nn.functional.pad(run_end, (0, t - w)) & inside_rev
-    end = end_reversed.gather(1, flip) & inside                           # back to token order
+    lengths = mask.bool().sum(dim=1)
+    start_w, end_rev_w, _, _ = window_runs(ids, lengths, positive, negative, group)
+    w = start_w.shape[1]
+    start = torch.nn.functional.pad(start_w, (0, t - w))
+    end_reversed = torch.nn.functional.pad(end_rev_w, (0, t - w))
+    flip = (lengths[:, None] - 1 - torch.arange(t, device=ids.device)[None, :]).clamp(min=0)
+    end = end_reversed.gather(1, flip) & mask.bool()                      # back to token order
     return start, end, end_reversed
 
 
@@ -212,35 +227,52 @@ class GTPO:
 
         cfg = self.config
         mask = batch.completion_mask
-        inside = mask.bool()
-        length = inside.sum(dim=1).clamp(min=1).to(torch.float32)               # (N,) |o_i|
+        maskf = mask.to(torch.float32)                                          # one (N, T) pass, reused
+        lengths = batch.completion_lengths.to(maskf.device)                     # (N,) |o_i|
+        length = lengths.clamp(min=1).to(torch.float32)
         adv = advantages.to(torch.float32)
         token_level = adv.dim() == 2
-        seq_adv = adv.masked_fill(~inside, 0.0).sum(1) / length if token_level else adv
+
+        def token_mean(x):                                                      # masked row means, one kernel
+            return torch.bmm(x.to(maskf).unsqueeze(1), maskf.unsqueeze(2)).reshape(-1) / length
+
+        seq_adv = token_mean(adv) if token_level else adv
         kept = batch.kept.to(adv.device)
         positive, negative = (seq_adv > 0) & kept, (seq_adv < 0) & kept       # P, N: before shaping
 
         stats = []
         if cfg.entropy:
-            h = batch.policy_entropies().to(adv).masked_fill(~inside, 0.0).sum(1) / length   # H_i
+            h = token_mean(batch.policy_entropies())                           # H_i
             high = h > cfg.ent_threshold
             shaped = torch.where(high, 0.0, seq_adv - cfg.ent_scale * h)       # A~_i
             adv = torch.where(high[:, None], 0.0, adv - cfg.ent_scale * h[:, None]) if token_level else shaped
             stats += [("entropy_mean", h.mean()), ("entropy_filtered", high.float().mean())]
         if not cfg.protect_conflicts:
             self._log(batch, stats)
-            out = adv if token_level else adv[:, None].expand(mask.shape)
-            return out.masked_fill(~inside, 0.0)
+            return adv * maskf if token_level else adv[:, None] * maskf
 
-        k, n_conflict = conflict_counts(batch.completion_ids, mask, positive, negative,
-                                        batch.num_generations, batch.pad_token_id, cfg.count_mode)
+        start, end_rev, ids_start, ids_end = window_runs(batch.completion_ids, lengths, positive, negative,
+                                                         batch.num_generations)
+        pad = batch.pad_token_id
+        if pad is not None:                                  # pad ids may continue a run, never weighted
+            start, end_rev = start & (ids_start != pad), end_rev & (ids_end != pad)
+        w = start.shape[1]
+        j = torch.arange(w, device=adv.device)[None, :]
+        mirror = lengths[:, None] - 1 - j                     # the start-window position j seen from the end
+        end_at_start = end_rev.gather(1, mirror.clamp(0, w - 1)) & (mirror >= 0) & (mirror < w)
+        if cfg.count_mode == "aligned":                       # |start run u end run|, overlap counted once
+            n_conflict = start.sum(1) + end_rev.sum(1) - (start & end_at_start).sum(1)
+        elif cfg.count_mode == "code":                       # the code's merge of the reversed end run
+            real = ids_start != pad if pad is not None else torch.ones_like(start)
+            n_conflict = ((start | (end_rev & (j < lengths[:, None]))) & real).sum(1)
+        else:
+            raise ValueError(f"count_mode must be 'aligned' or 'code', got {cfg.count_mode!r}")
         per_conflict = 1.0 / n_conflict.clamp(min=1).to(torch.float32)          # 1 / max(1, n_i)
-        if token_level:
-            factors = _power_table(per_conflict, positive, cfg.conflict_weight).gather(1, k)
-            out = adv * factors
-        else:   # A~_i delta_{i,t} / max(1, n_i) as a lookup of A~_i / max(1, n_i) * [1, W, W^2]
-            out = _power_table(adv * per_conflict, positive, cfg.conflict_weight).gather(1, k)
-        out.masked_fill_(~inside, 0.0)
+        out = adv * per_conflict[:, None] * maskf if token_level else (adv * per_conflict)[:, None] * maskf
+        weight = torch.where(positive, cfg.conflict_weight, 0.0).to(out)  # d(r = 1): W or 0
+        out[:, :w] *= torch.where(start, weight[:, None], 1.0)                 # start run, token order
+        rows, js = end_rev.nonzero(as_tuple=True)                              # end run: few positions
+        out[rows, lengths[rows] - 1 - js] *= weight[rows]
         active = (positive | negative).float()
         n_active = active.sum().clamp(min=1.0)
         stats += [("conflict_tokens", (n_conflict * active).sum() / n_active),
