@@ -256,3 +256,40 @@ def test_matches_a_naive_reference_on_random_ragged_groups():
     ref_delta, ref_count = naive_delta(ids, lengths, positive, negative, group)
     assert torch.equal(delta, ref_delta)
     assert count.tolist() == ref_count
+
+
+@pytest.mark.parametrize("mode", ["aligned", "code"])
+@pytest.mark.parametrize("token_level", [False, True])
+def test_windowed_hook_equals_the_full_width_formula(mode, token_level):
+    """The hook only compares the conflict windows; it must equal delta from every position."""
+    from trl_credit.builtin import grpo_advantages
+
+    g = torch.Generator().manual_seed(1)
+    n, t, group = 32, 40, 4                       # long runs over a 2-token vocabulary: windows must grow
+    lengths = torch.randint(0, t + 1, (n,), generator=g)
+    ids = torch.randint(1, 3, (n, t), generator=g)
+    ids[:8, :30] = 1                              # two groups share 30 leading tokens
+    ids[ids == 2] = torch.where(torch.rand(int((ids == 2).sum()), generator=g) < 0.1, 0, 2)  # pads inside
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    batch = make_batch(rewards.tolist(), group, completion_ids=ids * mask, completion_mask=mask, pad_token_id=0)
+    seq = grpo_advantages(batch.rewards, torch.ones(1), group, "group", "sum_then_normalize")
+    if token_level:
+        class TokenLevel:
+            """(N,) -> (N, T) by broadcasting over the mask."""
+
+            from trl_credit import hookimpl
+
+            @hookimpl
+            def transform_advantages(self, batch, advantages):
+                return advantages[:, None] * batch.completion_mask
+
+        from trl_credit.config import build_plugins
+        plugins = build_plugins([TokenLevel, {"name": GTPO, "entropy": False, "count_mode": mode}])
+        result = run_plugin(None, batch, plugins=plugins)
+    else:
+        result = run_plugin(GTPO, batch, {"entropy": False, "count_mode": mode})
+    delta, n_conflict = conflict_delta(ids * mask, mask, seq > 0, seq < 0, group, 2.0, 0, mode)
+    expected = seq[:, None] * delta / n_conflict.clamp(min=1)[:, None]
+    torch.testing.assert_close(result.advantages, expected)
+    assert n_conflict.max() > 16                  # the windows really grew past their first size
