@@ -99,8 +99,10 @@ class RolloutBatch:
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        """``(N,)`` long: unmasked tokens per completion."""
-        return self.completion_mask.sum(dim=1).long()
+        """``(N,)`` long: unmasked tokens per completion (computed once per batch)."""
+        if "completion_lengths" not in self.token_cache:
+            self.token_cache["completion_lengths"] = self.completion_mask.sum(dim=1).long()
+        return self.token_cache["completion_lengths"]
 
     @property
     def pad_token_id(self) -> int | None:

@@ -227,7 +227,7 @@ class GTPO:
 
         cfg = self.config
         mask = batch.completion_mask
-        maskf = mask.to(torch.float32)                                          # one (N, T) pass, reused
+        maskf = mask.to(torch.float32, copy=True)             # one (N, T) pass; becomes the output buffer
         lengths = batch.completion_lengths.to(maskf.device)                     # (N,) |o_i|
         length = lengths.clamp(min=1).to(torch.float32)
         adv = advantages.to(torch.float32)
@@ -249,7 +249,7 @@ class GTPO:
             stats += [("entropy_mean", h.mean()), ("entropy_filtered", high.float().mean())]
         if not cfg.protect_conflicts:
             self._log(batch, stats)
-            return adv * maskf if token_level else adv[:, None] * maskf
+            return maskf.mul_(adv if token_level else adv[:, None])
 
         start, end_rev, ids_start, ids_end = window_runs(batch.completion_ids, lengths, positive, negative,
                                                          batch.num_generations)
@@ -268,7 +268,7 @@ class GTPO:
         else:
             raise ValueError(f"count_mode must be 'aligned' or 'code', got {cfg.count_mode!r}")
         per_conflict = 1.0 / n_conflict.clamp(min=1).to(torch.float32)          # 1 / max(1, n_i)
-        out = adv * per_conflict[:, None] * maskf if token_level else (adv * per_conflict)[:, None] * maskf
+        out = maskf.mul_(adv * per_conflict[:, None] if token_level else (adv * per_conflict)[:, None])
         weight = torch.where(positive, cfg.conflict_weight, 0.0).to(out)  # d(r = 1): W or 0
         out[:, :w] *= torch.where(start, weight[:, None], 1.0)                 # start run, token order
         rows, js = end_rev.nonzero(as_tuple=True)                              # end run: few positions
