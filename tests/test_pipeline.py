@@ -169,3 +169,14 @@ def test_completion_level_drops_keep_whole_groups_for_the_estimator():
     expected = full.clone()
     expected[[0, 4]] = 0.0
     torch.testing.assert_close(result.advantages, expected)
+
+
+def test_views_copy_token_tensors_only_when_read():
+    import copy
+
+    batch = make_batch([1, 0, 1, 1], num_generations=2, lengths=[3, 1, 2, 3])
+    view = batch.select(torch.tensor([2, 3]))
+    assert "completion_ids" not in view.__dict__ and view.width == 3
+    assert torch.equal(view.completion_mask, batch.completion_mask[2:])
+    assert torch.equal(view.select(torch.tensor([1])).completion_ids, batch.completion_ids[3:])
+    assert torch.equal(copy.deepcopy(view).completion_lengths, torch.tensor([2, 3]))

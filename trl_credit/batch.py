@@ -80,6 +80,21 @@ class RolloutBatch:
             self.prompt_index = torch.full((n,), -1, dtype=torch.long, device=self.rewards.device)
 
     # ----------------------------------------------------------------- structure
+    _LAZY = ("completion_ids", "completion_mask")
+
+    def __getattr__(self, name: str):
+        # A view made by `select` copies its rows of the (N, T) ids and mask only when first read.
+        if name in RolloutBatch._LAZY and "_root" in self.__dict__ and self.__dict__["_root"] is not None:
+            value = getattr(self.__dict__["_root"], name)[self.__dict__["_rows"]]
+            self.__dict__[name] = value
+            return value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def width(self) -> int:
+        """``T``: the padded completion length (no copy, also on views)."""
+        return self.root.completion_ids.shape[1]
+
     @property
     def device(self) -> torch.device:
         return self.rewards.device
@@ -112,7 +127,7 @@ class RolloutBatch:
     def max_completion_length(self) -> int:
         """``args.max_completion_length`` when known, else the padded width ``T``."""
         value = getattr(self.args, "max_completion_length", None)
-        return int(value) if value is not None else self.completion_ids.shape[1]
+        return int(value) if value is not None else self.width
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View a per-completion tensor ``(N, ...)`` as ``(N // G, G, ...)``."""
@@ -234,8 +249,8 @@ class RolloutBatch:
         view = RolloutBatch(
             prompts=[self.prompts[i] for i in cpu_rows],
             completions=[self.completions[i] for i in cpu_rows],
-            completion_ids=self.completion_ids[rows],
-            completion_mask=self.completion_mask[rows],
+            completion_ids=None,  # lazy: see __getattr__
+            completion_mask=None,
             rewards=self.rewards[rows],
             reward_names=list(self.reward_names),
             reward_weights=self.reward_weights,
@@ -250,6 +265,8 @@ class RolloutBatch:
         )
         view._rows = base_rows
         view._root = self.root
+        for name in RolloutBatch._LAZY:
+            del view.__dict__[name]
         return view
 
 

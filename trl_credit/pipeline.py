@@ -161,7 +161,7 @@ class Pipeline:
     def _check_advantages(self, plugin, hook, batch: RolloutBatch, out: Any) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
             self._fail(plugin, hook, batch.step, f"a {type(out).__name__} (expected a tensor)")
-        n, t = batch.completion_ids.shape
+        n, t = batch.num_completions, batch.width
         if tuple(out.shape) not in ((n,), (n, t)):
             self._fail(plugin, hook, batch.step, f"advantages of shape {tuple(out.shape)}, expected ({n},) or ({n}, {t})")
         self._check_finite(plugin, hook, batch.step, out)
