@@ -593,12 +593,12 @@ def print_trainer(res: dict[str, Any]) -> None:
           f"{res['steps']} timed steps x {res['repeats']} repeats (1 warm-up step skipped), "
           f"order {' '.join('A' if k == 'vanilla' else 'B' for k in res['order'])} (A=vanilla, B=host)")
     print(f"  median wall time per step: vanilla {res['vanilla_median_ms']:.1f} ms, host {res['host_median_ms']:.1f} ms")
-    print(f"  wall ratio host/vanilla per repeat: " + ", ".join(f"{r:.3f}" for r in res["ratios"]))
+    print("  wall ratio host/vanilla per repeat: " + ", ".join(f"{r:.3f}" for r in res["ratios"]))
     print(f"  wall ratio min / median / max: {res['ratio_min']:.3f} / {res['ratio_median']:.3f} / {res['ratio_max']:.3f}"
           f"   pooled: {res['ratio_pooled']:.3f}   (target <= {res['target_ratio']})")
     print(f"  process CPU time per step (robust to competing processes): vanilla {res['vanilla_median_cpu_ms']:.1f} ms, "
           f"host {res['host_median_cpu_ms']:.1f} ms")
-    print(f"  CPU ratio per repeat: " + ", ".join(f"{r:.3f}" for r in res["cpu_ratios"]))
+    print("  CPU ratio per repeat: " + ", ".join(f"{r:.3f}" for r in res["cpu_ratios"]))
     print(f"  CPU ratio min / median / max: {res['cpu_ratio_min']:.3f} / {res['cpu_ratio_median']:.3f} / "
           f"{res['cpu_ratio_max']:.3f}   pooled: {res['cpu_ratio_pooled']:.3f}")
     if res["host_profile"] is not None:

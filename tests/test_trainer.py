@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import os
 import zlib
 
 import pytest
@@ -283,7 +281,6 @@ def test_curriculum_draws_only_weighted_prompts_deterministically(make_trainer):
     trainer.train()
     assert len(drawn) == 3 and all(0 <= i < 8 for batch in drawn for i in batch)
     assert all(len(set(b[k:k + 4])) == 1 for b in drawn for k in (0, 4))  # whole groups
-    again = []
     trainer2 = make_trainer(plugins=[fx.PreferLowIndex, Record], reward_funcs=[parity_reward], max_steps=3)
     drawn_first, drawn[:] = list(drawn), []
     trainer2.train()

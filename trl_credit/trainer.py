@@ -12,7 +12,6 @@ every seam returns TRL's result untouched.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from typing import Any
 
