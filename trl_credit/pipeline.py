@@ -219,7 +219,7 @@ def kept_advantages(pipeline: Pipeline, batch: RolloutBatch) -> torch.Tensor:
     kept = batch.kept
     if bool(kept.all()):  # common case: no copy, no scatter
         return pipeline.transform_advantages(batch, pipeline.compute_advantages(batch))
-    n, width = batch.completion_ids.shape
+    n, width = batch.num_completions, batch.width
     groups = batch.grouped(kept).any(dim=1).repeat_interleave(batch.num_generations)
     rows = groups.nonzero().squeeze(1)
     advantages = torch.zeros(n, device=batch.device)

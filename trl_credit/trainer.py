@@ -80,6 +80,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
         quota = None
         rounds = []
+        kept_groups = 0
         for round_index in range(self.pipeline.max_refill_rounds + 1):
             if round_index:
                 inputs = self._next_refill_inputs()
@@ -90,7 +91,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)  # every rollout counts
             rounds.append((output, batch))
             quota = quota or batch.num_groups
-            kept_groups = sum(int(b.grouped(b.kept).all(dim=1).sum()) for _, b in rounds)
+            kept_groups += int(batch.grouped(batch.kept).all(dim=1).sum())
             if kept_groups >= quota or not self.pipeline.max_refill_rounds:
                 break
         if len(rounds) > 1:
