@@ -35,13 +35,16 @@ def make_trainer(tiny_model, arithmetic, tmp_path):
     from trl_credit.rewards import arithmetic_accuracy
     from trl_credit.trainer import CreditGRPOTrainer
 
-    def build(plugins=None, reward_funcs=None, dataset=None, trainer_cls=CreditGRPOTrainer, **overrides):
+    def build(plugins=None, reward_funcs=None, dataset=None, trainer_cls=CreditGRPOTrainer, peft_config=None,
+              **overrides):
         values = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=2, logging_steps=1, report_to="none",
                       learning_rate=1e-3, save_strategy="no", use_cpu=True, bf16=False, seed=0)
         values.update(overrides)
         kwargs = dict(model=tiny_model, reward_funcs=reward_funcs or [arithmetic_accuracy],
                       args=GRPOConfig(**values), train_dataset=dataset if dataset is not None else arithmetic)
+        if peft_config is not None:
+            kwargs["peft_config"] = peft_config
         if trainer_cls is CreditGRPOTrainer:
             kwargs["plugins"] = plugins
         return trainer_cls(**kwargs)

@@ -178,3 +178,22 @@ class Scores:
         self.seen["completion_ids"] = batch.completion_ids
         self.seen["completion_mask"] = batch.completion_mask
         self.seen["continuation"] = batch.continuation_logps(["What is 2 + 2?"], [" 4"], reduce="none")
+
+
+class FixedBeta:
+    """KL coefficient: a constant beta for every batch."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        beta: float = Field(0.05, description="the beta returned for every batch")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    @hookimpl
+    def kl_coefficient(self, batch):
+        return self.config.beta
+
+
+class OtherBeta(FixedBeta):
+    """A second KL-coefficient plugin (two are a startup error)."""

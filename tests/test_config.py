@@ -17,7 +17,8 @@ def fake(**classes) -> dict[str, Available]:
 
 
 INSTALLED = fake(add_bonus="AddBonus", drop_constant="DropConstant", constant_estimator="ConstantEstimator",
-                 other_estimator="OtherEstimator", unknown_hook="UnknownHook", needs_column="NeedsColumn")
+                 other_estimator="OtherEstimator", unknown_hook="UnknownHook", needs_column="NeedsColumn",
+                 fixed_beta="FixedBeta", other_beta="OtherBeta")
 
 
 def problems(raw, installed=INSTALLED) -> list[str]:
@@ -54,6 +55,11 @@ def test_ill_typed_and_unknown_options_name_plugin_and_key():
     msgs = problems([{"name": "add_bonus", "bonus": "lots", "colour": "red"}])
     assert any("plugins[0] (add_bonus): option 'bonus'" in m and "valid number" in m for m in msgs)
     assert any("plugins[0] (add_bonus): option 'colour': unknown option" in m for m in msgs)
+
+
+def test_two_kl_coefficient_plugins_are_a_startup_error():
+    (msg,) = problems(["fixed_beta", "other_beta"])
+    assert "two plugins set the KL coefficient: plugins[0] (fixed_beta), plugins[1] (other_beta)" in msg
 
 
 def test_two_estimators_are_a_startup_error():

@@ -331,3 +331,67 @@ def test_refilled_batch_counts_only_its_own_tokens(make_trainer, monkeypatch):
         else:
             assert out["num_items_in_batch"] is sentinel  # one round, all kept: TRL's own count
     assert refilled
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def _move_adapter_off_the_base(trainer):
+    """LoRA starts as the identity (B = 0), where KL = 0: give B values so policy != reference."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def test_kl_coefficient_plugin_gives_the_loss_trl_computes_with_that_beta(make_trainer, arithmetic):
+    trainer = make_trainer(plugins=[{"name": fx.FixedBeta, "beta": 0.05}], reward_funcs=[parity_reward],
+                           peft_config=_lora(), beta=0.0)
+    _move_adapter_off_the_base(trainer)
+    trainer.model.train()
+    inputs = generation_inputs(arithmetic, prompts=2)
+    torch.manual_seed(0)
+    ours = trainer._generate_and_score_completions(copy.deepcopy(inputs))
+    assert trainer.beta == 0.0 and float(ours["trl_credit_beta"]) == 0.05
+    assert ours["ref_per_token_logps"] is not None  # TRL skipped it (beta 0): the host scored the base model
+    trainer.beta = 0.05  # TRL's own path with that beta, on the same samples
+    torch.manual_seed(0)
+    theirs = GRPOTrainer._generate_and_score_completions(trainer, copy.deepcopy(inputs))
+    trainer.beta = 0.0
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    mask = theirs["completion_mask"].bool()
+    torch.testing.assert_close(ours["ref_per_token_logps"][mask], theirs["ref_per_token_logps"][mask])
+    assert not torch.allclose(ours["ref_per_token_logps"][mask], ours["old_per_token_logps"][mask]
+                              if ours.get("old_per_token_logps") is not None else
+                              trainer._get_per_token_logps_and_entropies(
+                                  trainer.model, torch.cat([ours["prompt_ids"], ours["completion_ids"]], 1),
+                                  torch.cat([ours["prompt_mask"], ours["completion_mask"]], 1),
+                                  ours["completion_ids"].shape[1])[0].detach()[mask])
+    ours_loss = loss(trainer, ours)
+    assert trainer.beta == 0.0  # restored after the loss
+    trainer.beta = 0.05
+    theirs_loss = loss(trainer, theirs, GRPOTrainer)
+    trainer.beta = 0.0
+    no_kl = loss(trainer, theirs, GRPOTrainer)
+    torch.testing.assert_close(ours_loss, theirs_loss)
+    assert not torch.allclose(theirs_loss, no_kl)  # the KL term is really in the loss
+
+
+def test_kl_coefficient_trains_and_logs_beta_and_kl(make_trainer):
+    trainer = make_trainer(plugins=[{"name": fx.FixedBeta, "beta": 0.02}], reward_funcs=[parity_reward],
+                           peft_config=_lora(), beta=0.0)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "trl_credit/beta" in h]
+    assert trainer.state.global_step == 2 and len(logs) == 2
+    assert all(h["trl_credit/beta"] == pytest.approx(0.02) and "kl" in h for h in logs)
+
+
+def test_kl_coefficient_without_a_reference_is_refused_before_the_model_loads(make_trainer):
+    from trl_credit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(.*\) sets the KL coefficient.*use_peft"):
+        make_trainer(plugins=[fx.FixedBeta], reward_funcs=[parity_reward], beta=0.0)

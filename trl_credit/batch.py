@@ -275,6 +275,8 @@ class PromptStats:
     """Host-tracked statistics per training prompt (dataset row), updated from every scored batch.
 
     A completion *passes* when its total reward is ``>= pass_threshold`` (host default 0.5).
+    ``prompts_per_batch`` is how many distinct prompts the host draws for one generation batch (0
+    when unknown); a curriculum that gives exactly that many prompts a positive weight selects them.
     """
 
     seen: torch.Tensor
@@ -282,6 +284,7 @@ class PromptStats:
     reward_sum: torch.Tensor
     last_step: torch.Tensor
     pass_threshold: float = 0.5
+    prompts_per_batch: int = 0
 
     @classmethod
     def empty(cls, num_prompts: int, pass_threshold: float = 0.5) -> PromptStats:
@@ -295,6 +298,11 @@ class PromptStats:
     def pass_rate(self) -> torch.Tensor:
         """``(P,)`` empirical pass rate, NaN for prompts never seen."""
         return self.passed / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))
+
+    def posterior_mean(self, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+        """``(P,)`` mean of the Beta(alpha + passed, beta + seen - passed) posterior of each prompt's
+        pass rate (a Beta(alpha, beta) prior; unseen prompts get the prior mean)."""
+        return (self.passed + alpha) / (self.seen + alpha + beta)
 
     def mean_reward(self) -> torch.Tensor:
         return self.reward_sum / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))

@@ -182,6 +182,13 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
             f"two advantage estimators are enabled: {listed}. Exactly one plugin may implement "
             "compute_advantages; remove all but one (advantage transforms can be chained instead)."
         )
+    kl = [p for p in enabled if "kl_coefficient" in p.hooks]
+    if len(kl) > 1:
+        listed = ", ".join(f"plugins[{p.index}] ({p.name})" for p in kl)
+        problems.append(
+            f"two plugins set the KL coefficient: {listed}. At most one plugin may implement "
+            "kl_coefficient; remove all but one (or switch that part off in its options)."
+        )
     if problems:
         raise ConfigError(problems)
     return PluginSet(enabled, manager)

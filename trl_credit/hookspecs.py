@@ -14,7 +14,8 @@ own; the host slices out the local rows afterwards.
 
 Per step the host runs, for each generation round:
 ``shape_rewards`` (chained) -> ``filter_rollouts`` (AND) -> [refill rounds] ->
-``compute_advantages`` (exactly one) -> ``transform_advantages`` (chained) -> ``on_batch_end``.
+``compute_advantages`` (exactly one) -> ``transform_advantages`` (chained) -> ``kl_coefficient``
+(at most one) -> ``on_batch_end``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def transform_advantages(batch: RolloutBatch, advantages: torch.Tensor) -> torch
 
 
 @hookspec
+def kl_coefficient(batch: RolloutBatch) -> float | None:
+    """Choose the KL coefficient ``beta`` of the loss for this generation batch.  Exclusive: at most one plugin.
+
+    :param batch: the final batch (after filtering and refill; ``batch.kept`` is the verdict).
+    :return: ``beta >= 0`` used in place of ``GRPOConfig.beta`` by every optimiser step that trains
+        on this batch (``loss += beta * KL(policy || reference)`` per token, TRL's k3 estimator),
+        or ``None`` to keep ``GRPOConfig.beta``. Logged as ``trl_credit/beta``.
+    The host makes sure reference log-probs exist whenever ``beta > 0``: TRL's when the config's
+    beta is non-zero, otherwise the host scores them (PEFT: the base model with adapters disabled).
+    A run with neither a reference model nor a PEFT adapter is refused at startup.
+    Called once per generation batch, on every rank, after the advantage transforms.
+    """
+
+
+@hookspec
 def prompt_weights(stats: PromptStats, step: int) -> torch.Tensor | None:
     """Give every training prompt a sampling weight (prompt curriculum).  Multiplied together.
 
@@ -127,6 +143,7 @@ HOOKS = (
     "filter_rollouts",
     "compute_advantages",
     "transform_advantages",
+    "kl_coefficient",
     "prompt_weights",
     "on_train_begin",
     "on_batch_end",

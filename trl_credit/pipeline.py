@@ -167,6 +167,18 @@ class Pipeline:
         self._check_finite(plugin, hook, batch.step, out)
         return out.to(torch.float32)
 
+    def kl_coefficient(self, batch: RolloutBatch) -> float | None:
+        """The enabled plugin's ``beta`` for this batch, or None (keep ``GRPOConfig.beta``)."""
+        for plugin in self.plugins.with_hook("kl_coefficient"):  # at most one (config check)
+            out = self._call(plugin, "kl_coefficient", batch.step, batch=batch)
+            if out is None:
+                return None
+            beta = float(out)
+            if not math.isfinite(beta) or beta < 0:
+                self._fail(plugin, "kl_coefficient", batch.step, f"beta = {beta}; it must be finite and >= 0")
+            return beta
+        return None
+
     def prompt_weights(self, stats: PromptStats, step: int) -> torch.Tensor | None:
         """Product of the curricula's weights, normalised; None when no curriculum is enabled."""
         weights = None

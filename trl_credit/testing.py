@@ -150,6 +150,7 @@ class PluginResult:
     advantages: torch.Tensor  # (N,) or (N, T); 0 for dropped completions
     plugin: Any
     metrics: dict[str, float] = field(default_factory=dict)
+    beta: float | None = None  # the plugin's kl_coefficient for this batch (None: GRPOConfig.beta)
 
 
 def load_plugin(plugin: type | str) -> type:
@@ -183,10 +184,11 @@ def run_plugin(plugin: type | str, batch: RolloutBatch, config: dict[str, Any] |
     pipeline.shape_rewards(batch)
     keep = pipeline.filter_rollouts(batch)
     advantages = kept_advantages(pipeline, batch)
+    beta = pipeline.kl_coefficient(batch)
     pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
     metrics = {k: sum(v) / len(v) for k, v in batch.metrics.items()}
     return PluginResult(batch, batch.rewards, list(batch.reward_names), keep, advantages,
-                        plugins.plugins[0].instance, metrics)
+                        plugins.plugins[0].instance, metrics, beta)
 
 
 def run_curriculum(plugin: type | str, stats: PromptStats, config: dict[str, Any] | None = None,

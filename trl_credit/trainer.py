@@ -23,7 +23,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
+from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
 from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.sampler import CurriculumSampler
 
@@ -59,6 +59,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             check_columns(self.credit_plugins, list(dataset.column_names))
             if PROMPT_INDEX not in dataset.column_names and hasattr(dataset, "add_column"):
                 kwargs["train_dataset"] = dataset.add_column(PROMPT_INDEX, list(range(len(dataset))))
+        self._check_reference(kwargs)
         self.prompt_stats = PromptStats.empty(len(dataset) if hasattr(dataset, "__len__") else 0)
         self._credit_round: dict[str, Any] = {}
         self._credit_skip_update = False
@@ -67,6 +68,20 @@ class CreditGRPOTrainer(GRPOTrainer):
         if self.pipeline.active:
             check_reward_columns(self.credit_plugins, list(self.reward_func_names))  # environments add rewards
             self.add_callback(_ObserverCallback(self))
+
+    def _check_reference(self, kwargs: dict[str, Any]) -> None:
+        """A kl_coefficient plugin needs reference log-probs: a reference model or a PEFT adapter."""
+        users = self.credit_plugins.with_hook("kl_coefficient")
+        args = kwargs.get("args")
+        beta = args.beta if args is not None else 0.0  # GRPOConfig's default beta is 0
+        peft = kwargs.get("peft_config") is not None or hasattr(kwargs.get("model"), "peft_config")
+        if users and beta == 0.0 and not peft:
+            p = users[0]
+            raise ConfigError([
+                f"plugins[{p.index}] ({p.name}) sets the KL coefficient, but this run has no reference model: "
+                "set `beta` > 0 in the config (TRL then keeps a reference copy; the plugin replaces the value "
+                "per batch) or train a PEFT adapter (`use_peft: true`; the reference is the base model)"
+            ])
 
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -99,7 +114,15 @@ class CreditGRPOTrainer(GRPOTrainer):
         return self._finish(output, batch, rounds)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        beta = inputs.get("trl_credit_beta")
+        if beta is None:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        else:  # a kl_coefficient plugin chose this batch's beta
+            config_beta, self.beta = self.beta, float(beta)
+            try:
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                self.beta = config_beta
         kept = inputs.get("trl_credit_kept")
         if kept is not None and self.loss_type in PER_SEQUENCE_LOSSES:
             # dropped rows add 0 to the row-mean; rescale so the mean runs over kept rows only
@@ -109,9 +132,10 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset=None):
         if self.pipeline.has("prompt_weights"):
             dataset = self.train_dataset if dataset is None else dataset
+            self.prompt_stats.prompts_per_batch = self.args.generation_batch_size // self.num_generations
             return CurriculumSampler(
                 num_prompts=len(dataset),
-                prompts_per_batch=self.args.generation_batch_size // self.num_generations,
+                prompts_per_batch=self.prompt_stats.prompts_per_batch,
                 mini_repeat_count=self.num_generations,
                 repeat_count=self.num_iterations * self.args.steps_per_generation,
                 seed=self.args.seed,
@@ -184,6 +208,7 @@ class CreditGRPOTrainer(GRPOTrainer):
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list) -> dict[str, Any]:
         advantages = kept_advantages(self.pipeline, batch)
+        beta = self.pipeline.kl_coefficient(batch)
         self.pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
 
         kept = batch.kept
@@ -203,6 +228,12 @@ class CreditGRPOTrainer(GRPOTrainer):
             mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         self._credit_skip_update = not bool(kept.any())
+        if beta is not None:
+            if beta > 0 and output.get("ref_per_token_logps") is None:  # TRL skipped it (config beta = 0)
+                ref = batch.ref_logps()[local][:, : output["completion_ids"].shape[1]]
+                output["ref_per_token_logps"] = ref.to(output["completion_ids"].device)
+            output["trl_credit_beta"] = torch.tensor(beta, dtype=torch.float64)  # 0-dim: kept by TRL's split/shuffle
+            self._metrics["train"]["trl_credit/beta"].append(beta)
         self._log_round_metrics(batch, rounds)
         return output
 

@@ -128,12 +128,29 @@ def test_bad_options(options, key):
 def test_refill_config_reaches_the_host():
     assert Pipeline(plugin_set(DynamicSampling)).max_refill_rounds == 3
     assert Pipeline(plugin_set(DynamicSampling, {"max_refill_rounds": 7})).max_refill_rounds == 7
+    assert Pipeline(plugin_set(DynamicSampling, {"mode": "filter"})).max_refill_rounds == 0
     assert Pipeline(plugin_set(DynamicSampling, {"refill": False})).max_refill_rounds == 0
+
+
+@pytest.mark.parametrize("options, mode", [({}, "replace"), ({"refill": True}, "replace"),
+                                           ({"refill": False}, "filter"), ({"mode": "filter"}, "filter"),
+                                           ({"mode": "filter", "refill": False}, "filter")])
+def test_mode_and_its_refill_alias(options, mode):
+    config = plugin_set(DynamicSampling, options).plugins[0].config
+    assert config.mode == mode and config.refill == (mode == "replace")
+
+
+@pytest.mark.parametrize("options, message", [({"mode": "refill"}, "mode"),
+                                              ({"mode": "filter", "refill": True}, "contradicts"),
+                                              ({"refill": "yes"}, "refill")])
+def test_bad_modes_name_the_option(options, message):
+    with pytest.raises(ConfigError, match=message):
+        plugin_set(DynamicSampling, options)
 
 
 def test_contract():
     check_plugin(DynamicSampling)
-    check_plugin(DynamicSampling, {"tolerance": 0.3, "refill": False})
+    check_plugin(DynamicSampling, {"tolerance": 0.3, "mode": "filter"})
 
 
 # ------------------------------------------------------------------------- a real run
@@ -190,8 +207,8 @@ def test_training_with_refill(tmp_path):
     assert calls == 4
 
 
-def test_training_without_refill(tmp_path):
-    trainer, logs, calls = train(tmp_path, {"refill": False})
+def test_training_in_filter_mode(tmp_path):
+    trainer, logs, calls = train(tmp_path, {"mode": "filter"})
     assert trainer.state.global_step == 2
     assert len(logs) == 2
     for entry in logs:

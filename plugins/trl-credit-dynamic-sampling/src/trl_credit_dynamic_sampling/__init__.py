@@ -12,9 +12,16 @@ Rule (``r`` = the tested reward column, NaN entries ignored)::
 
 The paper writes it as the constraint ``0 < |{o_i : is_equivalent(a, o_i)}| < G`` under the DAPO
 objective. A group with no finite reward, or whose finite rewards are constant, is dropped; so is
-every group of a single completion (G = 1). With ``refill`` the host draws further generation
-batches (at most ``max_refill_rounds`` extra ones) until the number of kept groups reaches the
-number of groups of one generation batch.
+every group of a single completion (G = 1). Two modes:
+
+- ``replace`` (DAPO, verl's ``filter_groups``): the host draws further generation batches (at most
+  ``max_refill_rounds`` extra ones) until the number of kept groups reaches the number of groups of
+  one generation batch, so dropped groups are replaced by informative ones;
+- ``filter``: dropped groups are only masked (advantage 0, out of the loss and its normaliser); the
+  step trains on the informative groups of the one generation batch, a smaller effective batch at
+  no extra generation cost.
+
+``refill: true|false`` is accepted as an alias of ``mode: replace|filter``.
 
 Source: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
 arXiv 2503.14476, section "Dynamic Sampling". Official code: volcengine/verl ``recipe/dapo``
@@ -25,7 +32,7 @@ computed and prompts with std > 0 are kept; generation batches are accumulated u
 (``<= 0``: no limit). Facts read there, not code copied.
 
 Defaults: ``metric = None`` (the weighted total reward, which is what TRL normalises; verl's
-scripts use ``acc``); ``tolerance = 0.0`` (verl's ``std > 0``); ``refill = True``;
+scripts use ``acc``); ``tolerance = 0.0`` (verl's ``std > 0``); ``mode = replace``;
 ``max_refill_rounds = 3`` (verl: config default 0 = unlimited, the DAPO-Qwen2.5-32B script 10
 generation batches of 3x the train batch; a round here is one train batch, and on a CPU every round
 costs about one step, so the cap is 4x a step's generation, enough whenever >= 25 % of groups are
@@ -36,7 +43,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trl_credit import hookimpl
 
@@ -74,16 +83,35 @@ class DynamicSampling:
             description="a group whose reward range (max - min over non-NaN rewards) is <= tolerance "
             "counts as constant and is dropped; 0 = DAPO's std > 0",
         )
-        refill: bool = Field(
-            True,
-            description="ask the host to draw more prompts until the batch holds as many kept groups "
-            "as one generation batch has groups (DAPO dynamic sampling); false = only mask",
+        mode: Literal["replace", "filter"] = Field(
+            "replace",
+            description="replace: draw more prompts until the batch holds as many kept groups as one "
+            "generation batch has groups (DAPO dynamic sampling); filter: only mask the dropped groups "
+            "and train on the rest (no extra generation). Alias: refill: true|false",
         )
         max_refill_rounds: int = Field(
             3, ge=0,
             description="extra generation rounds per step at most (verl's max_num_gen_batches minus 1, "
             "there 10 batches of 3x the train batch); each round costs one generation batch",
         )
+
+        @model_validator(mode="before")
+        @classmethod
+        def _refill_alias(cls, data):
+            if isinstance(data, dict) and "refill" in data:
+                data = dict(data)
+                refill = data.pop("refill")
+                if not isinstance(refill, bool):
+                    raise ValueError(f"option 'refill' must be true or false, got {refill!r} (or use mode: replace|filter)")
+                mode = "replace" if refill else "filter"
+                if data.setdefault("mode", mode) != mode:
+                    raise ValueError(f"option 'refill: {str(refill).lower()}' contradicts 'mode: {data['mode']}'; give only mode")
+            return data
+
+        @property
+        def refill(self) -> bool:
+            """What the host reads: refill rounds are wanted (mode replace)."""
+            return self.mode == "replace"
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
