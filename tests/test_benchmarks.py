@@ -27,7 +27,7 @@ def _load():
 def quick_report(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "overhead.json"
     # --steps 1: one warm-up + one timed step per run keeps this well under a minute on 2 busy cores
-    returned = _load().main(["--quick", "--steps", "1", "--json", str(path)])
+    returned = _load().main(["--quick", "--steps", "1", "--json", str(path), "--each-plugin", "dynamic_sampling"])
     return returned, json.loads(path.read_text())
 
 
@@ -54,7 +54,7 @@ def test_every_hook_family_timed(quick_report):
     hooks = report["hooks"]
     assert set(hooks["families"]) == set(module.FAMILIES)
     for family in ("shape_rewards", "filter_rollouts", "compute_advantages", "transform_advantages",
-                   "prompt_weights", "on_batch_end", "on_step_end"):
+                   "kl_coefficient", "prompt_weights", "on_batch_end", "on_step_end"):
         assert family in hooks["families"]
     for family, row in hooks["families"].items():
         assert list(row["by_size"]) == hooks["sizes"]
@@ -85,3 +85,18 @@ def test_installed_plugin_costs(tmp_path):
                            "--json", str(tmp_path / "b.json")])
     row = report["installed_plugins"][installed[0]]
     assert _positive(row["ms"]) and _positive(row["plugin_ms"])
+
+
+def test_each_plugin_overhead_reports_a_ratio_and_its_target(quick_report):
+    _, report = quick_report
+    row = report["each_plugin"]["dynamic_sampling"]
+    assert "error" not in row, row
+    assert row["pure_math"] is True and row["target_ratio"] == 1.05
+    assert row["plugins"] == [{"name": "dynamic_sampling", "mode": "filter"}]
+    assert _positive(row["ratio_median"]) and _positive(row["cpu_ratio_median"])
+
+
+def test_scaling_sizes_cover_the_issue_grid():
+    module = _load()
+    sizes = module.parse_sizes("scaling")
+    assert {n for n, _ in sizes} == {1024, 8192, 65536} and {t for _, t in sizes} == {256, 1024}
