@@ -142,3 +142,14 @@ def test_hook_with_an_argument_the_spec_lacks_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"(?s)plugins\[0\] \(extra_argument\).*tokenizer"):
         build_plugins([ExtraArgument])
+
+
+def test_kl_coefficient_needs_a_reference_model_or_peft():
+    from trl_credit.config import check_reference
+
+    plugins = build_plugins(["fixed_beta"], INSTALLED)
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(fixed_beta\) sets the KL coefficient.*`beta` > 0.*use_peft"):
+        check_reference(plugins, beta=0.0, peft=False)
+    check_reference(plugins, beta=0.0, peft=True)    # the base model under the adapter is the reference
+    check_reference(plugins, beta=0.04, peft=False)  # TRL keeps a reference copy
+    check_reference(build_plugins(["add_bonus"], INSTALLED), beta=0.0, peft=False)  # nobody asks for KL

@@ -194,6 +194,18 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     return PluginSet(enabled, manager)
 
 
+def check_reference(plugins: PluginSet, beta: float, peft: bool) -> None:
+    """A ``kl_coefficient`` plugin needs reference log-probs: ``beta > 0`` (TRL keeps a reference) or PEFT."""
+    users = plugins.with_hook("kl_coefficient")
+    if users and beta == 0.0 and not peft:
+        p = users[0]
+        raise ConfigError([
+            f"plugins[{p.index}] ({p.name}) sets the KL coefficient, but this run has no reference model: "
+            "set `beta` > 0 in the config (TRL then keeps a reference copy; the plugin replaces the value "
+            "per batch) or train a PEFT adapter (`use_peft: true`; the reference is the base model)"
+        ])
+
+
 def instantiate(cls: type, options: dict[str, Any], index: int = 0, name: str = "?") -> tuple[Any, list[str]]:
     """Validate ``options`` against ``cls.Config`` and build the plugin; returns (instance, problems)."""
     config_cls = getattr(cls, "Config", None)

@@ -23,7 +23,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import RepeatSampler, use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
+from trl_credit.config import PluginSet, build_plugins, check_reference, check_columns, check_reward_columns, reward_names
 from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.sampler import CurriculumSampler
 
@@ -71,17 +71,9 @@ class CreditGRPOTrainer(GRPOTrainer):
 
     def _check_reference(self, kwargs: dict[str, Any]) -> None:
         """A kl_coefficient plugin needs reference log-probs: a reference model or a PEFT adapter."""
-        users = self.credit_plugins.with_hook("kl_coefficient")
         args = kwargs.get("args")
-        beta = args.beta if args is not None else 0.0  # GRPOConfig's default beta is 0
         peft = kwargs.get("peft_config") is not None or hasattr(kwargs.get("model"), "peft_config")
-        if users and beta == 0.0 and not peft:
-            p = users[0]
-            raise ConfigError([
-                f"plugins[{p.index}] ({p.name}) sets the KL coefficient, but this run has no reference model: "
-                "set `beta` > 0 in the config (TRL then keeps a reference copy; the plugin replaces the value "
-                "per batch) or train a PEFT adapter (`use_peft: true`; the reference is the base model)"
-            ])
+        check_reference(self.credit_plugins, args.beta if args is not None else 0.0, peft)  # TRL's default beta: 0
 
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
