@@ -395,3 +395,12 @@ def test_kl_coefficient_without_a_reference_is_refused_before_the_model_loads(ma
 
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(.*\) sets the KL coefficient.*use_peft"):
         make_trainer(plugins=[fx.FixedBeta], reward_funcs=[parity_reward], beta=0.0)
+
+
+def test_shaped_reward_is_logged_next_to_trls_unshaped_one(make_trainer):
+    trainer = make_trainer(plugins=[{"name": fx.AddBonus, "bonus": 0.25}], reward_funcs=[parity_reward])
+    trainer.train()
+    rows = [h for h in trainer.state.log_history if "trl_credit/shaped_reward" in h]
+    assert len(rows) == 2
+    for row in rows:  # TRL's `reward` is the weighted total before shaping; the bonus column adds 0.25
+        assert row["trl_credit/shaped_reward"] == pytest.approx(row["reward"] + 0.25, abs=1e-6)

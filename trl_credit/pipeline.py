@@ -116,7 +116,8 @@ class Pipeline:
                     else:
                         names.append(name)
                         new = torch.cat([new, value.unsqueeze(1)], dim=1)
-                        weights = torch.cat([weights, torch.tensor([1.0 if weight is None else float(weight)])])
+                        extra = torch.tensor([1.0 if weight is None else float(weight)], device=weights.device)
+                        weights = torch.cat([weights, extra])
                 batch.reward_names, batch.reward_weights = names, weights
             else:
                 self._fail(plugin, "shape_rewards", batch.step, f"a {type(out).__name__} (expected tensor, dict or None)")

@@ -232,6 +232,10 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _log_round_metrics(self, batch: RolloutBatch, rounds: list) -> None:
         metrics = self._metrics["train"]
         metrics["trl_credit/kept_fraction"].append(batch.kept.float().mean().item())
+        if self.pipeline.has("shape_rewards"):  # TRL's `reward` is logged before shaping
+            shaped = batch.total_reward()
+            metrics["trl_credit/shaped_reward"].append(shaped[batch.kept].nanmean().nan_to_num(0.0).item()
+                                                       if batch.kept.any() else 0.0)
         if self.pipeline.has("filter_rollouts"):
             metrics["trl_credit/generation_rounds"].append(float(len(rounds)))
             extra = sum(int(b.completion_mask.sum()) for _, b in rounds[1:])
