@@ -197,3 +197,26 @@ class FixedBeta:
 
 class OtherBeta(FixedBeta):
     """A second KL-coefficient plugin (two are a startup error)."""
+
+
+class Switchable:
+    """A shaper and a KL coefficient, each switchable by an option (`disabled_hooks`)."""
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        shape: bool = Field(True, description="add a bonus column")
+        kl: bool = Field(True, description="set beta")
+
+    def __init__(self, config=None):
+        self.config = config or self.Config()
+
+    def disabled_hooks(self):
+        return [h for h, on in (("shape_rewards", self.config.shape), ("kl_coefficient", self.config.kl)) if not on]
+
+    @hookimpl
+    def shape_rewards(self, batch):
+        return {"bonus": torch.ones(batch.num_completions)}
+
+    @hookimpl
+    def kl_coefficient(self, batch):
+        return 0.1

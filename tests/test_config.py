@@ -18,7 +18,7 @@ def fake(**classes) -> dict[str, Available]:
 
 INSTALLED = fake(add_bonus="AddBonus", drop_constant="DropConstant", constant_estimator="ConstantEstimator",
                  other_estimator="OtherEstimator", unknown_hook="UnknownHook", needs_column="NeedsColumn",
-                 fixed_beta="FixedBeta", other_beta="OtherBeta")
+                 fixed_beta="FixedBeta", other_beta="OtherBeta", switchable="Switchable")
 
 
 def problems(raw, installed=INSTALLED) -> list[str]:
@@ -153,3 +153,14 @@ def test_kl_coefficient_needs_a_reference_model_or_peft():
     check_reference(plugins, beta=0.0, peft=True)    # the base model under the adapter is the reference
     check_reference(plugins, beta=0.04, peft=False)  # TRL keeps a reference copy
     check_reference(build_plugins(["add_bonus"], INSTALLED), beta=0.0, peft=False)  # nobody asks for KL
+
+
+def test_options_can_switch_a_hook_off():
+    from trl_credit.config import check_reference
+
+    plugins = build_plugins([{"name": "switchable", "kl": False}, "fixed_beta"], INSTALLED)
+    assert plugins.plugins[0].hooks == ["shape_rewards"]
+    assert [p.name for p in plugins.with_hook("kl_coefficient")] == ["fixed_beta"]  # no "two KL plugins" error
+    check_reference(build_plugins([{"name": "switchable", "kl": False}], INSTALLED), beta=0.0, peft=False)
+    (msg,) = problems([{"name": "switchable", "kl": False, "shape": False}])
+    assert "plugins[0] (switchable): its options switch every hook off" in msg

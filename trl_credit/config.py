@@ -169,6 +169,10 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
             if manager.is_registered(instance):
                 manager.unregister(instance)
             continue
+        hooks, errs = active_hooks(instance, hooks, index, name)
+        if errs:
+            problems += errs
+            continue
         if not hooks:
             problems.append(
                 f"plugins[{index}] ({name}): {cls.__name__} implements no hook; mark methods with "
@@ -192,6 +196,24 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     if problems:
         raise ConfigError(problems)
     return PluginSet(enabled, manager)
+
+
+def active_hooks(instance: Any, hooks: list[str], index: int = 0, name: str = "?") -> tuple[list[str], list[str]]:
+    """``hooks`` minus those the plugin's options switch off (its optional ``disabled_hooks()``), and problems."""
+    off = getattr(instance, "disabled_hooks", None)
+    if not callable(off):
+        return hooks, []
+    off = set(off() or ())
+    problems = []
+    unknown = sorted(off - set(hooks))
+    if unknown:
+        problems.append(f"plugins[{index}] ({name}): disabled_hooks() names hooks it does not implement: "
+                        f"{', '.join(unknown)}")
+    kept = [h for h in hooks if h not in off]
+    if hooks and not kept:
+        problems.append(f"plugins[{index}] ({name}): its options switch every hook off; "
+                        "enable a part of it or remove it from plugins:")
+    return kept, problems
 
 
 def check_reference(plugins: PluginSet, beta: float, peft: bool) -> None:

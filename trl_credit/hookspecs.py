@@ -2,7 +2,9 @@
 
 A plugin is a class with a pydantic ``Config`` and methods marked ``@hookimpl`` whose names and
 argument names are those below (pluggy checks both when the plugin is registered). A method may take
-fewer arguments than the spec lists; it may not take others.
+fewer arguments than the spec lists; it may not take others. Optional methods, called before any
+model loads: ``required_rewards()`` and ``required_columns()`` (names the run must provide) and
+``disabled_hooks()`` (hooks its options switch off; the host then treats them as absent).
 
 Shapes: ``N`` = completions in the batch (all processes, whole groups), ``G`` = completions per prompt
 (``num_generations``), ``N // G`` groups, ``K`` = reward columns, ``T`` = padded completion length.

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, instantiate, plugin_name
+from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, active_hooks, instantiate, plugin_name
 from trl_credit.hookspecs import HOOKS
 from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.plugins import available, implemented_hooks, new_manager
@@ -170,10 +170,13 @@ def plugin_set(plugin: type | str, config: dict[str, Any] | None = None, name: s
     instance, problems = instantiate(cls, dict(config or {}), 0, name)
     if problems:
         raise ConfigError(problems)
+    hooks, problems = active_hooks(instance, implemented_hooks(cls), 0, name)
+    if problems:
+        raise ConfigError(problems)
     manager = new_manager()
     manager.register(instance, name=name)
     manager.check_pending()
-    return PluginSet([EnabledPlugin(0, name, name, instance, implemented_hooks(cls))], manager)
+    return PluginSet([EnabledPlugin(0, name, name, instance, hooks)], manager)
 
 
 def run_plugin(plugin: type | str, batch: RolloutBatch, config: dict[str, Any] | None = None,
