@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-__all__ = ["arithmetic_accuracy", "completion_text", "known_reward_names", "last_number", "resolve_reward_funcs"]
+__all__ = ["arithmetic_accuracy", "arithmetic_steps", "completion_text", "known_reward_names", "last_number",
+           "resolve_reward_funcs"]
 
 RewardFunc = Callable[..., list[Any]]
 
@@ -67,11 +68,27 @@ def arithmetic_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwa
     return rewards
 
 
+def arithmetic_steps(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """Mean step score of each completion under the built-in ``arithmetic`` step checker.
+
+    The completion is cut into steps at newlines (:func:`trl_credit.steps.split_steps`); a step
+    scores 1.0 when every integer equation in it is right, 0.0 when one is wrong or it holds none
+    (:func:`trl_credit.steps.arithmetic_step_scores`). A completion without steps scores 0.0. A
+    deterministic process-score column (a stand-in for a PRM) for shapers such as P-GRPO or Trust-GRPO.
+    """
+    from trl_credit.steps import arithmetic_step_scores, split_steps
+
+    steps = [split_steps(completion_text(c))[0] for c in completions]
+    scores = arithmetic_step_scores([None] * len(steps), list(completions), steps)
+    return [sum(row) / len(row) if row else 0.0 for row in scores]
+
+
 def _builtin_registry(max_completion_len: int, soft_punish_cache: int) -> dict[str, RewardFunc]:
     from trl import rewards as trl_rewards
 
     return {
         "arithmetic_accuracy": arithmetic_accuracy,
+        "arithmetic_steps": arithmetic_steps,
         "accuracy_reward": trl_rewards.accuracy_reward,
         "reasoning_accuracy_reward": trl_rewards.reasoning_accuracy_reward,
         "think_format_reward": trl_rewards.think_format_reward,
@@ -83,8 +100,8 @@ def _builtin_registry(max_completion_len: int, soft_punish_cache: int) -> dict[s
 
 def known_reward_names() -> list[str]:
     """Names :func:`resolve_reward_funcs` accepts without a dotted path."""
-    return ["arithmetic_accuracy", "accuracy_reward", "reasoning_accuracy_reward", "think_format_reward",
-            "get_soft_overlong_punishment"]  # fmt: skip
+    return ["arithmetic_accuracy", "arithmetic_steps", "accuracy_reward", "reasoning_accuracy_reward",
+            "think_format_reward", "get_soft_overlong_punishment"]  # fmt: skip
 
 
 def _import_dotted(path: str) -> RewardFunc:
