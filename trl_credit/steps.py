@@ -42,6 +42,8 @@ from functools import lru_cache
 from itertools import accumulate, chain
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from trl_credit.rewards import completion_text
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PATTERN",
+    "StepConfig",
     "StepScorer",
     "arithmetic_step_scores",
     "check_equations",
@@ -477,3 +480,36 @@ def arithmetic_step_scores(prompts: Sequence[Any], completions: Sequence[Any], s
                     out[k] = 1.0 if ok else 0.0
         scores.append(out)
     return scores
+
+
+class StepConfig(BaseModel):
+    """Options every step-based plugin shares; a plugin's ``Config`` inherits them (``class Config(StepConfig)``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scorer: str = Field(
+        "arithmetic",
+        description="step scorer: a built-in name (arithmetic) or a dotted path 'pkg.module:func' to "
+        "scorer(prompts, completions, steps, columns, **scorer_kwargs) -> list[list[float]]",
+    )
+    scorer_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword options for the scorer (arithmetic: neutral, default 0.0)"
+    )
+    pattern: str = Field(
+        r"\n+", description="regex that separates steps in a completion (default: newlines)"
+    )
+
+    @field_validator("scorer")
+    @classmethod
+    def _known_scorer(cls, value: str) -> str:
+        resolve_step_scorer(value)
+        return value
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regex: {exc}") from None
+        return value

@@ -31,12 +31,12 @@ checker, a deterministic stand-in for a PRM; any ``pkg.module:func`` scorer plug
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from trl_credit import hookimpl
+from trl_credit.steps import StepConfig
 
 if TYPE_CHECKING:
     import torch
@@ -63,9 +63,7 @@ def gated_accumulation(outcome: Any, step_rewards: Any, tau: float = 1.0, weight
 class GatedRewardAccumulation:
     """G-RA: ``R = R_out + 1[R_out >= tau] * sum_k r_k`` (step rewards from a step scorer)."""
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
+    class Config(StepConfig):
         outcome: str = Field(
             "arithmetic_accuracy",
             description="reward column of the outcome reward R_out (a reward function's __name__)",
@@ -84,34 +82,6 @@ class GatedRewardAccumulation:
             description="null = replace the outcome column by R; a name = keep R_out and append the gated "
             "term as a new reward column of that name (weight 1)",
         )
-        scorer: str = Field(
-            "arithmetic",
-            description="step scorer: a built-in name (arithmetic) or a dotted path 'pkg.module:func' to "
-            "scorer(prompts, completions, steps, columns, **scorer_kwargs) -> list[list[float]]",
-        )
-        scorer_kwargs: dict[str, Any] = Field(
-            default_factory=dict, description="keyword options for the scorer (arithmetic: neutral, default 0.0)"
-        )
-        pattern: str = Field(
-            r"\n+", description="regex that separates steps in a completion (default: newlines)"
-        )
-
-        @field_validator("scorer")
-        @classmethod
-        def _known_scorer(cls, value: str) -> str:
-            from trl_credit.steps import resolve_step_scorer
-
-            resolve_step_scorer(value)
-            return value
-
-        @field_validator("pattern")
-        @classmethod
-        def _valid_pattern(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
         @model_validator(mode="after")
         def _distinct_columns(self) -> GatedRewardAccumulation.Config:

@@ -47,12 +47,12 @@ with ``scorer: my_pkg.prm:score_steps``.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from trl_credit import hookimpl
+from trl_credit.steps import StepConfig
 
 if TYPE_CHECKING:
     import torch
@@ -155,9 +155,7 @@ class PRMClipDelta:
     the step scores of a configurable step scorer (default: the rule-based ``arithmetic`` checker).
     """
 
-    class Config(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
+    class Config(StepConfig):
         mode: Literal["clip", "delta", "delta_clip", "none"] = Field(
             "clip",
             description="refinement of the step rewards: clip = min(r - eta, 0); delta = r_k - r_{k+1}; "
@@ -180,34 +178,6 @@ class PRMClipDelta:
             description="group = normalise the raw step scores by the mean/std over all steps of the group "
             "(DeepSeekMath process supervision) before refining; none = raw scores",
         )
-        scorer: str = Field(
-            "arithmetic",
-            description="step scorer: a built-in name (arithmetic) or a dotted path 'pkg.module:func' to "
-            "scorer(prompts, completions, steps, columns, **scorer_kwargs) -> list[list[float]]",
-        )
-        scorer_kwargs: dict[str, Any] = Field(
-            default_factory=dict, description="keyword options for the scorer (arithmetic: neutral, default 0.0)"
-        )
-        pattern: str = Field(
-            r"\n+", description="regex that separates steps in a completion (default: newlines)"
-        )
-
-        @field_validator("scorer")
-        @classmethod
-        def _known_scorer(cls, value: str) -> str:
-            from trl_credit.steps import resolve_step_scorer
-
-            resolve_step_scorer(value)
-            return value
-
-        @field_validator("pattern")
-        @classmethod
-        def _valid_pattern(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
     def __init__(self, config: Config | None = None):
         self.config = config or self.Config()
