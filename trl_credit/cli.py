@@ -1,4 +1,4 @@
-"""``trl-credit``: train, plugins, validate, new-plugin, install."""
+"""``trl-credit``: train, eval, plugins, validate, new-plugin, install."""
 
 from __future__ import annotations
 
@@ -19,6 +19,26 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train with a `trl grpo` YAML config plus a `plugins:` list")
     p.add_argument("config")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="`--key value` overrides, as with `trl grpo`")
+
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a trained output dir (or a config's base model)")
+    p.add_argument("target", metavar="CONFIG_OR_OUTPUT_DIR",
+                   help="an output dir written by `trl-credit train`, or a config (evaluates its base model)")
+    p.add_argument("--split", default="test", help="dataset split (default: test, the held-out split)")
+    p.add_argument("--samples", type=int, default=None, help="evaluate the first N prompts (default: all)")
+    p.add_argument("--k", default="1", help="pass@k for these k, comma-separated (default: 1)")
+    p.add_argument("--n", type=int, default=None,
+                   help="samples per prompt for pass@k (default: the config's num_generations, at least "
+                        "max k; 0: greedy only)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="where to write the JSON (default: <output_dir>/eval_<split>[_base].json)")
+    p.add_argument("--base", action="store_true", help="evaluate the base model, not the trained adapter")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the config's heldout_max_new_tokens (as train's held-out accuracy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences generated at once")
+    p.add_argument("--threshold", type=float, default=1.0,
+                   help="a sample is correct when its verifier reward is >= this")
+    p.add_argument("--device", default="auto", help="auto (cuda unless the config says use_cpu), cpu, cuda, ...")
 
     p = sub.add_parser("validate", help="check a config (YAML, TRL keys, plugins, options, columns) without loading a model")
     p.add_argument("config")
@@ -45,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics = train(args.config, _overrides(args.overrides))
             if metrics.get("is_main_process", True):
                 print(dump(metrics))
+        elif args.command == "eval":
+            return _eval(args)
         elif args.command == "validate":
             from trl_credit.run import validate
 
@@ -63,6 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trl-credit: configuration error(s):\n{exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _eval(args) -> int:
+    from trl_credit.eval_cmd import format_table, parse_ks, run_eval
+
+    try:
+        ks = parse_ks(args.k)
+    except ValueError as exc:
+        print(f"trl-credit eval: {exc}", file=sys.stderr)
+        return 2
+    result = run_eval(args.target, split=args.split, samples=args.samples, ks=ks, n=args.n, json_path=args.json,
+                      base=args.base, max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
+                      threshold=args.threshold, device=args.device)  # fmt: skip
+    print(format_table(result))
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reward_columns, reward_names
+from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reference, check_reward_columns, reward_names
 
 
 @dataclass
@@ -145,6 +145,7 @@ def validate(path: str, overrides: list[str] | None = None) -> Loaded:
         train, _ = load_datasets(cfg)
         check_columns(cfg.plugins, list(train.column_names))
     check_reward_columns(cfg.plugins, reward_names(reward_functions(cfg)))
+    check_reference(cfg.plugins, cfg.training_args.beta, bool(cfg.model_args.use_peft))
     return cfg
 
 
@@ -182,6 +183,8 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     metrics: dict[str, Any] = {"config": os.path.abspath(path), "model": margs.model_name_or_path,
                                "plugins": cfg.plugins.names, "load_in_4bit": bool(margs.load_in_4bit),
                                "use_peft": bool(margs.use_peft)}
+    if trainer.accelerator.is_main_process:
+        metrics["resolved_config"] = save_resolved_config(cfg, overrides, targs.output_dir)
     n_eval = cfg.credit_args.heldout_samples
     heldout = None
     if n_eval and eval_set is not None:
@@ -210,6 +213,41 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
                                   f"reward curve: {os.path.join(targs.output_dir, 'reward_curve.png')}")
     metrics["is_main_process"] = trainer.accelerator.is_main_process
     return metrics
+
+
+CONFIG_FILE = "trl_credit_config.yaml"
+
+
+def resolved_config(cfg: Loaded, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The config as run: the YAML's keys (``plugins:`` included) with command-line overrides applied.
+
+    Override values are read back from TRL's parsed dataclasses, so types are those TRL saw.
+    """
+    from enum import Enum
+
+    resolved = dict(cfg.raw)
+    parsed = (cfg.script_args, cfg.training_args, cfg.model_args, cfg.dataset_args, cfg.credit_args)
+    for item in overrides or []:
+        if not item.startswith("--"):
+            continue
+        key = item[2:].split("=", 1)[0].replace("-", "_")
+        for obj in parsed:
+            if key in {f.name for f in dataclasses.fields(obj)}:
+                value = getattr(obj, key)
+                value = value.value if isinstance(value, Enum) else value
+                resolved[key] = list(value) if isinstance(value, tuple) else value
+                break
+    return resolved
+
+
+def save_resolved_config(cfg: Loaded, overrides: list[str] | None, output_dir: str) -> str:
+    """Write `resolved_config` to ``<output_dir>/trl_credit_config.yaml`` (read by ``trl-credit eval``)."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, CONFIG_FILE)
+    with open(path, "w") as handle:
+        handle.write(f"# resolved from {os.path.abspath(cfg.path)} by `trl-credit train`\n")
+        yaml.safe_dump(resolved_config(cfg, overrides), handle, sort_keys=False)
+    return path
 
 
 def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> float:
