@@ -1,8 +1,10 @@
 """Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes N` (CPU, gloo).
 
-Trains 2 steps on the tiny model with whole-group plugins (a constant-group filter with refill and a
-token-credit transform) and saves, per rank, the gathered batch each hook saw, the advantages the
-host computed for it and the local slice the rank trained on.
+Mode ``pipeline`` (default): trains 2 steps on the tiny model with whole-group plugins (a
+constant-group filter with refill and a token-credit transform) and saves, per rank, the gathered
+batch each hook saw, the advantages the host computed for it and the local slice the rank trained on.
+Mode ``curriculum``: trains 4 steps with a curriculum whose weights depend on the host's per-prompt
+statistics, and saves what every rank drew and its final statistics.
 """
 
 import sys
@@ -19,6 +21,7 @@ from trl_credit.trainer import CreditGRPOTrainer
 
 torch.set_num_threads(1)
 out_dir = sys.argv[1]
+mode = sys.argv[2] if len(sys.argv) > 2 else "pipeline"
 records = []
 
 
@@ -45,13 +48,24 @@ class CreditRecorder(CreditGRPOTrainer):
         return output
 
 
+class MidPassRate:
+    """Curriculum from the statistics: weight p(1 - p) + 0.01, unseen prompts 1."""
+
+    @hookimpl
+    def prompt_weights(self, stats, step):
+        p = stats.pass_rate()
+        return torch.where(torch.isnan(p), torch.ones_like(p), p * (1 - p) + 0.01)
+
+
+steps = 4 if mode == "curriculum" else 2
 args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
-                  max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0,
-                  learning_rate=1e-3)
+                  max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+                  seed=0, learning_rate=1e-3)
+plugins = ([MidPassRate, Record] if mode == "curriculum" else
+           [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
 trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
-                         train_dataset=make_arithmetic(64, seed=0),
-                         plugins=[{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
+                         train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
 trainer.train()
 rank = trainer.accelerator.process_index
-torch.save({"world": trainer.accelerator.num_processes, "records": records,
-            "log_history": trainer.state.log_history}, f"{out_dir}/rank{rank}.pt")
+torch.save({"world": trainer.accelerator.num_processes, "records": records, "log_history": trainer.state.log_history,
+            "prompt_stats": trainer.prompt_stats.state_dict()}, f"{out_dir}/rank{rank}.pt")

@@ -17,15 +17,20 @@ from trl_credit.testing import make_batch, run_plugin
 HERE = Path(__file__).parent
 
 
-@pytest.mark.distributed
-def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_model):
+def launch_two(tmp_path, mode: str, port: int) -> list[dict]:
+    """Run distributed_worker.py on two CPU processes; the per-rank records it saved."""
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-           str(HERE / "distributed_worker.py"), str(tmp_path)]
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           str(HERE / "distributed_worker.py"), str(tmp_path), mode]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.distributed
+def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_model):
+    ranks = launch_two(tmp_path, "pipeline", 29533)
     assert [r["world"] for r in ranks] == [2, 2], "accelerate must really start two processes"
     steps0, steps1 = ranks[0]["records"], ranks[1]["records"]
     assert len(steps0) == len(steps1) == 2
@@ -50,3 +55,21 @@ def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_mode
     assert rounds == [h["trl_credit/generation_rounds"] for h in ranks[1]["log_history"]
                       if "trl_credit/generation_rounds" in h]
     assert max(rounds) > 1, f"the fixture is built so that refill happens across processes: {rounds}"
+
+
+@pytest.mark.distributed
+def test_curriculum_draws_the_same_prompts_on_every_process(tmp_path, tiny_model):
+    ranks = launch_two(tmp_path, "curriculum", 29534)
+    assert [r["world"] for r in ranks] == [2, 2]
+    steps0, steps1 = ranks[0]["records"], ranks[1]["records"]
+    assert len(steps0) == len(steps1) == 4
+    for a, b in zip(steps0, steps1):
+        assert torch.equal(a["prompt_index"], b["prompt_index"])
+        # 3 groups of 4 over 2 ranks x 6 rows: group 1 spans both ranks, so whole groups mean both
+        # ranks drew the same prompts (each rank takes its slice of one shared draw)
+        groups = a["prompt_index"].view(3, 4)
+        assert (groups == groups[:, :1]).all(), groups
+        assert len(set(groups[:, 0].tolist())) == 3  # distinct prompts per batch
+    for key in ("seen", "passed", "reward_sum", "last_step"):  # statistics identical, and really updated
+        assert torch.equal(ranks[0]["prompt_stats"][key], ranks[1]["prompt_stats"][key]), key
+    assert ranks[0]["prompt_stats"]["seen"].sum() == 4 * 12
