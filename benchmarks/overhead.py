@@ -400,7 +400,7 @@ def build_batch(n: int, t: int, g: int, num_prompts: int, seed: int = 0):
         logps=-torch.rand(n, t, generator=gen),
         entropies=torch.rand(n, t, generator=gen) * 3,
         prompt_index=prompt_of_group.repeat_interleave(g).tolist(),
-        columns={"answer": ["1"] * n},
+        columns={"answer": ["1"] * n, "entities": [["Paris", "Berlin"]] * n},
     )
 
 
@@ -582,13 +582,16 @@ def process_score(completions, **kwargs):
 
 #: name -> what a plugin needs in the benchmark's tiny run: options, extra reward functions, dataset columns.
 #: Filters run in mask-only mode: refill would generate more and measure generation, not the host.
+ACC, PROC = "arithmetic_accuracy", "process_score"
 TRAINER_PRESETS: dict[str, dict[str, Any]] = {
     "dynamic_sampling": {"options": {"mode": "filter"}},
     "accuracy_band": {"options": {"refill": False}},
     "riskpo": {"options": {"bundle_size": 2}},
-    "drpo": {"options": {"reward": "arithmetic_accuracy"}},
-    "e_grpo": {"columns": {"entities": lambda row: [row["answer"]]}},
-    "fg_expo": {"options": {"akl": False}},
+    "drpo": {"options": {"reward": ACC}},
+    "p_grpo": {"options": {"outcome_reward": ACC, "process_reward": PROC}},
+    "trust_grpo": {"options": {"answer_reward": ACC, "thinking_reward": PROC}},
+    "e_grpo": {"options": {"correct_reward": ACC}, "columns": {"entities": lambda row: [row["answer"]]}},
+    "fg_expo": {"options": {"akl": False}},  # AKL needs a reference pass (PEFT or beta > 0): not pure maths
 }
 
 
@@ -633,17 +636,28 @@ def print_each_plugin(results: dict[str, Any]) -> None:
 
 
 # Options some installed plugins need on the synthetic batch (2 binary reward columns, 1,024 groups of 8).
-BENCH_OPTIONS = {"riskpo": {"bundle_size": 8}, "drpo": {"reward": "accuracy"}}
+BENCH_OPTIONS = {"riskpo": {"bundle_size": 8}, "drpo": {"reward": "accuracy"},
+                 "p_grpo": {"outcome_reward": "accuracy", "process_reward": "format"},
+                 "trust_grpo": {"answer_reward": "accuracy", "thinking_reward": "format"},
+                 "e_grpo": {"correct_reward": "accuracy"}, "g_ra": {"outcome": "accuracy"}}
 
 
 def installed_plugin_costs(args: argparse.Namespace) -> dict[str, Any]:
-    """Median ms of one host round (shape -> filter -> estimator -> transforms) per installed plugin."""
+    """Median ms of one host round per installed plugin: shape -> filter -> estimator -> transforms -> KL
+    coefficient -> on_batch_end, plus one curriculum draw over ``--prompts`` prompts."""
+    from trl_credit.batch import PromptStats
     from trl_credit.pipeline import Pipeline, kept_advantages
     from trl_credit.plugins import available
     from trl_credit.testing import plugin_set
 
     names = args.installed or sorted(n for n, a in available().items() if not a.builtin)
-    n, t = parse_sizes(args.sizes)[-1]
+    keys = [f"{a}x{b}" for a, b in parse_sizes(args.sizes)]
+    n, t = parse_sizes(TARGET_SIZE if TARGET_SIZE in keys else keys[-1])[0]
+    stats = PromptStats.empty(args.prompts)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rows = torch.randint(0, args.prompts, (args.prompts // 2,), generator=gen)
+    stats.update(rows, torch.randint(0, 2, rows.shape, generator=gen).double(), 0)
+    stats.prompts_per_batch = n // args.group_size
     out = {}
     print(f"\ninstalled plugins, one host round at {n}x{t} (median ms, target {HOOK_TARGET_MS:.0f})")
     for name in names:
@@ -659,7 +673,10 @@ def installed_plugin_costs(args: argparse.Namespace) -> dict[str, Any]:
         def round_() -> None:
             pipeline.shape_rewards(batch)
             pipeline.filter_rollouts(batch)
-            kept_advantages(pipeline, batch)
+            advantages = kept_advantages(pipeline, batch)
+            pipeline.kl_coefficient(batch)
+            pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
+            pipeline.prompt_weights(stats, batch.step)
 
         plugin_ms: list[float] = []
 
