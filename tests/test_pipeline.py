@@ -180,3 +180,13 @@ def test_views_copy_token_tensors_only_when_read():
     assert torch.equal(view.completion_mask, batch.completion_mask[2:])
     assert torch.equal(view.select(torch.tensor([1])).completion_ids, batch.completion_ids[3:])
     assert torch.equal(copy.deepcopy(view).completion_lengths, torch.tensor([2, 3]))
+
+
+def test_difficulty_reward_passes_the_stated_fraction_of_every_group():
+    from trl_credit.testing import difficulty_reward
+
+    log = []
+    reward = difficulty_reward({1: 0.75, 2: 0.5, 3: 0.0}, 4, log)
+    out = reward(["x"] * 12, difficulty=[1] * 4 + [2] * 4 + [3] * 4, trl_credit_prompt_index=[5] * 4 + [9] * 4 + [2] * 4)
+    assert out == [1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert log == [[5, 9, 2]] and reward.__name__ == "difficulty_reward"

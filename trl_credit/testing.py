@@ -276,3 +276,23 @@ def edge_case_batches() -> list:
         lambda: scored([1, 0, 1], 1, [2, 6, 4]),                                 # one completion per group
         lambda: scored([0.5, 0.25, 0.75, 0.0], 2, [6, 0, 6, 1]),                 # non-binary, empty completion
     ]
+
+
+def difficulty_reward(pass_rate: dict[int, float], group_size: int, log: list | None = None,
+                      index_column: str = "trl_credit_prompt_index"):
+    """A deterministic stand-in reward for curriculum tests, whatever a (tiny, random) model writes.
+
+    Completion ``i`` of a prompt with ``difficulty`` d passes (1.0) iff its position in its group,
+    ``i % group_size``, is below ``round(pass_rate[d] * group_size)``: every group of a difficulty-d
+    prompt passes exactly that fraction, so per-prompt pass rates are known in advance. Needs a
+    ``difficulty`` dataset column (``trl_credit.data.make_arithmetic`` has one). When ``log`` is
+    given, each call appends the dataset rows of its groups (from ``index_column``: the host's
+    prompt index by default) to it, one list per generation round. The reward column is named
+    ``difficulty_reward``.
+    """
+    def difficulty_reward(completions, difficulty, **kwargs):
+        if log is not None:
+            log.append(list(kwargs[index_column][::group_size]))
+        return [1.0 if i % group_size < round(pass_rate[d] * group_size) else 0.0 for i, d in enumerate(difficulty)]
+
+    return difficulty_reward

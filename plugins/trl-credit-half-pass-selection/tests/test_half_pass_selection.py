@@ -177,11 +177,9 @@ def stand_in_reward(log):
     passes (1.0) iff its position in its group of G is below PASS_RATE[d] * G, so difficulty-1 rows
     pass exactly half of the time, difficulty-2 rows always and difficulty-3 rows never. Each call
     appends the dataset rows of its groups to ``log`` (one list per generation batch)."""
-    def difficulty_reward(completions, difficulty, row, **kwargs):
-        log.append([row[i] for i in range(0, len(row), G)])
-        return [1.0 if i % G < round(PASS_RATE[d] * G) else 0.0 for i, d in enumerate(difficulty)]
+    from trl_credit.testing import difficulty_reward
 
-    return difficulty_reward
+    return difficulty_reward(PASS_RATE, G, log, index_column="row")
 
 
 def arithmetic():

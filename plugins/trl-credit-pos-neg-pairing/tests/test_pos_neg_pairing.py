@@ -143,11 +143,9 @@ def stand_in_reward(log):
     passes (1.0) iff its position in its group of G = 4 is below PASS_RATE[d] * 4, so difficulty-1
     rows pass 3 of 4 times (easy but brittle: q-), difficulty-3 rows 1 of 4 (hard but solvable: q+)
     and difficulty-2 rows 2 of 4 (neither). Each call appends its groups' dataset rows to ``log``."""
-    def difficulty_reward(completions, difficulty, row, **kwargs):
-        log.append([row[i] for i in range(0, len(row), G)])
-        return [1.0 if i % G < round(PASS_RATE[d] * G) else 0.0 for i, d in enumerate(difficulty)]
+    from trl_credit.testing import difficulty_reward
 
-    return difficulty_reward
+    return difficulty_reward(PASS_RATE, G, log, index_column="row")
 
 
 def arithmetic():
