@@ -157,6 +157,7 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
         learning_rate=1e-5,
         seed=args.seed,
         disable_tqdm=True,
+        **getattr(args, "grpo_overrides", {}),  # vanilla and host alike
     )
     profiler = None
     if profile:
@@ -173,8 +174,12 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
     trainer.train()
     logs = [{k: v for k, v in row.items() if k in ("loss", "reward", "step_time", "completions/mean_length")}
             for row in trainer.state.log_history if "loss" in row]
+    # the host's own timing of every plugin's hook calls (and the scoring they trigger), per step
+    hook_seconds = [sum(v for k, v in row.items() if k.startswith("trl_credit/") and k.endswith("/seconds"))
+                    for row in trainer.state.log_history if "loss" in row]
     del trainer
-    out = {"step_seconds": timer.step_seconds, "step_cpu_seconds": timer.step_cpu_seconds, "logs": logs}
+    out = {"step_seconds": timer.step_seconds, "step_cpu_seconds": timer.step_cpu_seconds, "logs": logs,
+           "hook_seconds": hook_seconds[1:]}  # warm-up step skipped
     if profiler is not None:
         out["host_self_seconds"], out["host_functions"] = _host_self_time(profiler)
     return out
@@ -212,6 +217,7 @@ def trainer_overhead(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[list[float]]] = {"vanilla": [], "host": []}
     cpu: dict[str, list[list[float]]] = {"vanilla": [], "host": []}
     logs: dict[str, list] = {"vanilla": [], "host": []}
+    hook_ms: list[float] = []
     order = []
     with tempfile.TemporaryDirectory(prefix="trl-credit-bench-") as tmp:
         if not args.quick:  # untimed run first: imports, allocator and caches warm up before A or B is timed
@@ -224,6 +230,8 @@ def trainer_overhead(args: argparse.Namespace) -> dict[str, Any]:
                 times[kind].append([1000.0 * s for s in run["step_seconds"][1:]])  # skip the warm-up step
                 cpu[kind].append([1000.0 * s for s in run["step_cpu_seconds"][1:]])
                 logs[kind].append(run["logs"])
+                if kind == "host":
+                    hook_ms += [1000.0 * x for x in run["hook_seconds"]]
                 print(f"  repeat {r + 1}/{args.repeats} {kind:7s}: step ms wall "
                       + " ".join(f"{t:.0f}" for t in times[kind][-1]) + "  cpu "
                       + " ".join(f"{t:.0f}" for t in cpu[kind][-1]), flush=True)
@@ -266,6 +274,9 @@ def trainer_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_ratio_max": max(cpu_ratios),
         "cpu_ratio_pooled": cpu_h / cpu_v,
         "identical_losses_and_rewards": identical,
+        # noise-free view: plugin hooks (+ scoring they trigger) timed by the host, per step, vs a vanilla step
+        "plugin_hook_ms_per_step": statistics.median(hook_ms) if hook_ms else 0.0,
+        "hook_bound_ratio": 1.0 + (statistics.median(hook_ms) if hook_ms else 0.0) / cpu_v,
         "host_profile": profiled,
         "host_self_fraction": (profiled["host_self_ms_per_step"] / cpu_v) if profiled else None,
         "target_ratio": TRAINER_TARGET,
@@ -587,7 +598,7 @@ TRAINER_PRESETS: dict[str, dict[str, Any]] = {
     "dynamic_sampling": {"options": {"mode": "filter"}},
     "accuracy_band": {"options": {"refill": False}},
     "riskpo": {"options": {"bundle_size": 2}},
-    "drpo": {"options": {"reward": ACC}},
+    "drpo": {"options": {"reward": ACC}, "args": {"loss_type": "grpo"}},  # its gradient identity needs grpo
     "p_grpo": {"options": {"outcome_reward": ACC, "process_reward": PROC}},
     "trust_grpo": {"options": {"answer_reward": ACC, "thinking_reward": PROC}},
     "e_grpo": {"options": {"correct_reward": ACC}, "columns": {"entities": lambda row: [row["answer"]]}},
@@ -608,6 +619,7 @@ def each_plugin_overhead(args: argparse.Namespace) -> dict[str, Any]:
         sub.plugins = [{"name": name, **options}]
         sub.extra_rewards = [process_score]
         sub.extra_columns = preset.get("columns", {})
+        sub.grpo_overrides = preset.get("args", {})
         sub.profile_host = False
         print(f"\n  plugin {name} {options or ''}", flush=True)
         try:
@@ -625,14 +637,16 @@ def each_plugin_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_each_plugin(results: dict[str, Any]) -> None:
     print(f"\nPer-plugin trainer overhead (host with one plugin / vanilla TRL; wall and CPU ratio min / median / max; "
-          f"target <= {PLUGIN_TARGET} for pure-math plugins)")
+          f"target <= {PLUGIN_TARGET} for pure-math plugins). hooks = the plugin's hook time per step as the host "
+          "times it (with any scoring it triggers); bound = 1 + hooks / vanilla CPU step: the ratio without machine noise")
     for name, r in results.items():
         if "error" in r:
             print(f"  {name:24s} error: {r['error']}")
             continue
         kind = "pure maths" if r["pure_math"] else f"scores {r['scores']}"
         print(f"  {name:24s} wall {r['ratio_min']:.3f} / {r['ratio_median']:.3f} / {r['ratio_max']:.3f}   "
-              f"cpu {r['cpu_ratio_min']:.3f} / {r['cpu_ratio_median']:.3f} / {r['cpu_ratio_max']:.3f}   {kind}")
+              f"cpu {r['cpu_ratio_min']:.3f} / {r['cpu_ratio_median']:.3f} / {r['cpu_ratio_max']:.3f}   "
+              f"hooks {r['plugin_hook_ms_per_step']:7.2f} ms/step (bound {r['hook_bound_ratio']:.4f})   {kind}")
 
 
 # Options some installed plugins need on the synthetic batch (2 binary reward columns, 1,024 groups of 8).
