@@ -578,7 +578,8 @@ def hook_costs(args: argparse.Namespace) -> dict[str, Any]:
 
 # ====================================================================== 1b. trainer overhead per plugin
 #: Plugins that score the model (an extra no-grad forward pass per batch) or generate more: not pure maths.
-SCORING = {"drpo": "policy log-probs", "gtpo": "policy entropies", "fg_expo": "reference log-probs (AKL)"}
+SCORING = {"drpo": "policy log-probs", "gtpo": "policy entropies"}  # fg_expo's AKL would score the reference:
+# its preset below turns AKL off (the tiny run has no reference model), so it is measured as a curriculum
 
 
 def process_score(completions, **kwargs):
