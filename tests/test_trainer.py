@@ -136,6 +136,7 @@ def test_refill_tops_up_kept_groups_and_logs_rounds(make_trainer, arithmetic):
         @hookimpl
         def on_batch_end(self, batch, advantages):
             seen.append((batch.rewards.clone(), batch.kept.clone(), advantages.clone(), batch.prompt_index.clone()))
+            batch.log_metric("kept_rows", float(batch.kept.sum()))  # logged on the assembled batch after refill
 
     trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 6}, Record],
                            reward_funcs=[prompt_gated_reward], max_steps=3)
@@ -146,6 +147,8 @@ def test_refill_tops_up_kept_groups_and_logs_rounds(make_trainer, arithmetic):
     for h in metrics:
         if h["trl_credit/generation_rounds"] > 1:
             assert h["trl_credit/extra_tokens"] > 0
+        # an observer's metric on the final (assembled) batch is reported, refill or not
+        assert h["trl_credit/record/kept_rows"] == pytest.approx(8 * h["trl_credit/kept_fraction"])
         if h["trl_credit/kept_fraction"] < 1:
             assert h["trl_credit/generation_rounds"] == 7  # only when the rounds ran out
     for rewards, kept, advantages, prompt_index in seen:
