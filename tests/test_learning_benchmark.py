@@ -120,3 +120,37 @@ def test_docs_results_has_the_markers():
     text = (BENCHMARKS.parent / "docs" / "results.md").read_text()
     assert text.count(learning.BEGIN) == 1 and text.count(learning.END) == 1
     assert text.index(learning.BEGIN) < text.index(learning.END)
+
+
+def test_jobs_run_side_by_side_and_report_only_reads_them_back(tmp_path):
+    """--jobs 2 (worker processes; a subprocess, as spawn needs the script as __main__) gives the same
+    table shape as one job; --report-only then trains nothing and reports the finished runs, naming
+    the missing ones."""
+    import os
+    import subprocess
+
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "learning.py"), "--quick", "--jobs", "2", "--plugins",
+                           "dynamic_sampling", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    labels = list(report["variants"])
+    if "dynamic_sampling" not in labels:
+        pytest.skip("dynamic_sampling is not installed")
+    assert labels == ["grpo", "dynamic_sampling"]
+    for label in labels:
+        assert (out / "runs" / label / "seed0" / "adapter_model.safetensors").exists()
+        assert report["variants"][label]["seeds"] == [0]
+    assert done.stdout.count("training 2 steps") == 2
+
+    learning = _load("learning")
+    again = learning.main(["--quick", "--report-only", "--seeds", "0,1", "--plugins", "dynamic_sampling",
+                           "--out", str(out), "--docs", ""])  # fmt: skip
+    assert not (out / "runs" / "grpo" / "seed1").exists()  # nothing trained
+    for label in labels:
+        assert again["variants"][label]["seeds"] == [0]
+        assert again["variants"][label]["heldout_after"] == report["variants"][label]["heldout_after"]
+    assert again["seeds"] == [0, 1] and again["missing"] == [f"{label}/seed1" for label in labels]
+    assert "**Partial:** 2 planned runs" in (out / "results.md").read_text()
