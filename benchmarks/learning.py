@@ -63,7 +63,8 @@ PROCESS = "arithmetic_steps"  # the process-score stand-in (trl_credit.rewards.a
 BEGIN, END = "<!-- learning-results:begin -->", "<!-- learning-results:end -->"
 QUICK_PREFERENCE = ("dynamic_sampling", "gtpo", "gdpo", "riskpo", "drpo", "balanced_aggregation", "corrgrpo")
 
-# name -> {"options": plugin options, "rewards": reward columns, "note": shown in the table, "skip": reason}
+# name -> {"options": plugin options, "rewards": reward columns, "trainer": `trl grpo` keys it needs (its
+# baseline gets them too), "note": shown in the table, "skip": reason}
 PRESETS: dict[str, dict[str, Any]] = {
     "dynamic_sampling": {"options": {"mode": "filter"}, "note": "no refill (equal generated tokens)"},
     "accuracy_band": {"options": {"refill": False}, "note": "refill off (equal generated tokens)"},
@@ -73,6 +74,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                "note": "process score = stand-in column"},
     "trust_grpo": {"options": {"answer_reward": ACC, "thinking_reward": PROCESS}, "rewards": [ACC, PROCESS],
                    "note": "thinking score = stand-in column"},
+    "drpo": {"trainer": {"loss_type": "grpo"}, "note": "its advantages equal the DRPO gradient only with "
+             "loss_type grpo (it refuses TRL's default dapo); compared with GRPO under the same loss"},
+    "riskpo": {"options": {"bundle_size": 2}, "note": "K = 2 prompt groups per bundle (paper 5): a step has 2"},
     "e_grpo": {"skip": "needs a gold entity-list dataset column ('entities'); arithmetic has one number per answer"},
     "reward_noise": {"note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
 }  # fmt: skip
@@ -116,11 +120,13 @@ class Variant:
     options: dict[str, Any]
     rewards: list[str]
     note: str = ""
+    trainer: dict[str, Any] = field(default_factory=dict)  # `trl grpo` keys (shared with its baseline)
 
     @property
     def baseline(self) -> str:
-        return "grpo" if self.rewards == [ACC] else "grpo+" + "+".join(r.removeprefix("arithmetic_") for r in
-                                                                        self.rewards[1:])  # fmt: skip
+        label = "grpo" if self.rewards == [ACC] else "grpo+" + "+".join(r.removeprefix("arithmetic_") for r in
+                                                                         self.rewards[1:])  # fmt: skip
+        return label + "".join(f"@{key}={value}" for key, value in sorted(self.trainer.items()))
 
 
 def run_config(settings: Settings, variant: Variant, seed: int, output_dir: str) -> dict[str, Any]:
@@ -139,6 +145,7 @@ def run_config(settings: Settings, variant: Variant, seed: int, output_dir: str)
         "temperature": settings.temperature, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "use_cpu": not torch.cuda.is_available(), "gradient_checkpointing": False, "seed": seed,
         "heldout_samples": 0, "heldout_max_new_tokens": settings.heldout_max_new_tokens, **settings.extra,
+        **variant.trainer,
     }  # fmt: skip
     if variant.plugin is not None:
         config["plugins"] = [{"name": variant.plugin, **variant.options}]
@@ -146,7 +153,10 @@ def run_config(settings: Settings, variant: Variant, seed: int, output_dir: str)
 
 
 def fingerprint(settings: Settings, variant: Variant, seed: int) -> str:
-    text = json.dumps({"settings": asdict(settings), "variant": asdict(variant), "seed": seed}, sort_keys=True)
+    described = asdict(variant)
+    if not described["trainer"]:  # runs made before the field existed keep their fingerprint
+        del described["trainer"]
+    text = json.dumps({"settings": asdict(settings), "variant": described, "seed": seed}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -178,7 +188,7 @@ def plan(
             skipped[name] = preset["skip"]
             continue
         variant = Variant(name, name, dict(preset.get("options", {})), list(preset.get("rewards", [ACC])),
-                          preset.get("note", ""))  # fmt: skip
+                          preset.get("note", ""), dict(preset.get("trainer", {})))  # fmt: skip
         reason = _validate(settings, variant, check_dir)
         if reason:
             skipped[name] = reason
@@ -186,11 +196,11 @@ def plan(
         variants.append(variant)
         if quick and selected is None and len(variants) == 2:
             break
-    baselines = {}
+    baselines = {"grpo": Variant("grpo", None, {}, [ACC], "baseline")}
     for variant in variants:
-        baselines.setdefault(variant.baseline, variant.rewards)
-    baselines.setdefault("grpo", [ACC])
-    lines = [Variant(label, None, {}, rewards, "baseline") for label, rewards in sorted(baselines.items())]
+        baselines.setdefault(variant.baseline, Variant(variant.baseline, None, {}, variant.rewards, "baseline",
+                                                       dict(variant.trainer)))  # fmt: skip
+    lines = [baselines[label] for label in sorted(baselines)]
     return lines + variants, skipped
 
 
@@ -286,19 +296,44 @@ def _run_in_worker(settings: Settings, variant: Variant, seed: int, out: Path, t
 
 
 def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, jobs: int, threads: int,
-            log) -> list[dict[str, Any]]:
+            log) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
     """Every (variant, seed) in ``tasks``, in order; ``jobs`` > 1: that many worker processes, each with
     ``threads`` torch threads and a fresh process per run (on 2 cores two 1-thread runs side by side do
-    ~1.9x the work of one 2-thread run: the small matmuls of a 135M model do not use a second thread)."""
+    ~1.9x the work of one 2-thread run: the small matmuls of a 135M model do not use a second thread).
+
+    A run that raises is logged and reported, not fatal: ``(results with None for it, {"label/seedK": error})``.
+    """
+    results: list[dict[str, Any] | None] = [finished(settings, variant, seed, out) for variant, seed in tasks]
+    for (variant, seed), done in zip(tasks, results):
+        if done is not None:
+            log(f"  {variant.label} seed {seed}: done already")
+    todo = [i for i, done in enumerate(results) if done is None]
+    failures: dict[str, str] = {}
+
+    def record(i: int, exc: BaseException) -> None:
+        variant, seed = tasks[i]
+        failures[f"{variant.label}/seed{seed}"] = f"{type(exc).__name__}: {exc}".split("\n")[0]
+        log(f"  {variant.label} seed {seed}: FAILED: {failures[f'{variant.label}/seed{seed}']}")
+
     if jobs <= 1:
-        return [run_one(settings, variant, seed, out, log) for variant, seed in tasks]
+        for i in todo:
+            try:
+                results[i] = run_one(settings, *tasks[i], out, log)
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                record(i, exc)
+        return results, failures
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(_run_in_worker, settings, variant, seed, out, threads) for variant, seed in tasks]
-        return [future.result() for future in futures]
+        futures = {i: pool.submit(_run_in_worker, settings, *tasks[i], out, threads) for i in todo}
+        for i, future in futures.items():
+            try:
+                results[i] = future.result()
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                record(i, exc)
+    return results, failures
 
 
 def _ks(n: int) -> list[int]:
@@ -345,7 +380,7 @@ def summarise(variants: list[Variant], results: dict[str, list[dict]], base: dic
     for variant in variants:
         runs = results.get(variant.label, [])
         after = _stats([r["heldout_after"] for r in runs])
-        row = {"label": variant.label, "plugin": variant.plugin, "options": variant.options,
+        row = {"label": variant.label, "plugin": variant.plugin, "options": variant.options, "trainer": variant.trainer,
                "rewards": variant.rewards, "baseline": None if variant.plugin is None else variant.baseline,
                "note": variant.note, "seeds": [r["seed"] for r in runs], "heldout_before": base["heldout"],
                "heldout_after": after,
@@ -386,7 +421,7 @@ def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Setting
     ]
     for row in summary.values():
         after, delta = row["heldout_after"], row.get("delta_vs_baseline")
-        options = ", ".join(f"{k}={v}" for k, v in row["options"].items())
+        options = ", ".join(f"{k}={v}" for k, v in [*row["options"].items(), *row.get("trainer", {}).items()])
         note = "; ".join(x for x in (options, row["note"]) if x)
         delta_text = "—" if delta is None else (
             f"{delta['mean']:+.3f} ± {delta['std']:.3f} (vs {row['baseline']})" if delta["n"] else "n/a")
@@ -397,8 +432,8 @@ def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Setting
             f"{_f(row['generated_tokens']['mean'], 0)} | {_f(row['seconds_per_step']['mean'], 1)} |"
         )  # fmt: skip
     if missing:
-        lines += ["", f"**Partial:** {len(missing)} planned runs had not finished when this table was made "
-                  f"(`--report-only`): {', '.join(missing)}."]  # fmt: skip
+        lines += ["", f"**Partial:** {len(missing)} planned runs are missing from this table (failed, or not "
+                  f"finished when a `--report-only` table was made): {'; '.join(missing)}."]  # fmt: skip
     if skipped:
         lines += ["", "Not run:", ""]
         lines += [f"- `{name}`: {reason}" for name, reason in sorted(skipped.items())]
@@ -549,7 +584,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pairs = [(task, result) for task, result in done if result is not None]
     else:
         threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
-        pairs = list(zip(tasks, run_all(settings, tasks, out, args.jobs, threads, log)))
+        ran, failures = run_all(settings, tasks, out, args.jobs, threads, log)
+        pairs = [(task, result) for task, result in zip(tasks, ran) if result is not None]
+        missing = [f"{name} (failed: {error})" for name, error in failures.items()]
     results: dict[str, list[dict]] = {}
     for (variant, _), result in pairs:
         results.setdefault(variant.label, []).append(result)

@@ -90,6 +90,14 @@ def test_presets_and_seeds():
     from trl_credit.rewards import known_reward_names
 
     assert learning.PROCESS in known_reward_names()  # the process-score stand-in is a built-in reward
+    # trainer keys a plugin needs go into its config and its baseline's (a separate, paired baseline)
+    drpo = learning.Variant("drpo", "drpo", {}, [learning.ACC], "", {"loss_type": "grpo"})
+    assert drpo.baseline == "grpo@loss_type=grpo"
+    settings = learning.Settings()
+    assert learning.run_config(settings, drpo, 0, "out")["loss_type"] == "grpo"
+    plain = learning.Variant("grpo", None, {}, [learning.ACC])
+    assert "loss_type" not in learning.run_config(settings, plain, 0, "out")
+    assert learning.fingerprint(settings, plain, 0) != learning.fingerprint(settings, drpo, 0)
 
 
 def test_list_reports_what_does_not_apply(tmp_path):
@@ -154,3 +162,22 @@ def test_jobs_run_side_by_side_and_report_only_reads_them_back(tmp_path):
         assert again["variants"][label]["heldout_after"] == report["variants"][label]["heldout_after"]
     assert again["seeds"] == [0, 1] and again["missing"] == [f"{label}/seed1" for label in labels]
     assert "**Partial:** 2 planned runs" in (out / "results.md").read_text()
+
+
+def test_a_failing_run_is_reported_not_fatal(tmp_path, monkeypatch):
+    learning = _load("learning")
+    real = learning.run_one
+
+    def flaky(settings, variant, seed, out, log):
+        if variant.label == "dynamic_sampling":
+            raise ValueError("boom\nsecond line")
+        return real(settings, variant, seed, out, log)
+
+    monkeypatch.setattr(learning, "run_one", flaky)
+    report = learning.main(["--quick", "--plugins", "dynamic_sampling", "--out", str(tmp_path), "--docs", ""])
+    if "dynamic_sampling" not in report["variants"]:
+        pytest.skip("dynamic_sampling is not installed")
+    assert report["missing"] == ["dynamic_sampling/seed0 (failed: ValueError: boom)"]
+    assert report["variants"]["dynamic_sampling"]["seeds"] == [] and report["variants"]["grpo"]["seeds"] == [0]
+    table = (tmp_path / "results.md").read_text()
+    assert "**Partial:** 1 planned runs are missing" in table and "ValueError: boom" in table
