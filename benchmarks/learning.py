@@ -225,7 +225,7 @@ def _validate(settings: Settings, variant: Variant, folder: Path) -> str | None:
 
 # ====================================================================== one run
 def run_one(settings: Settings, variant: Variant, seed: int, out: Path, log) -> dict[str, Any]:
-    """Train and evaluate one (variant, seed), or read its finished result."""
+    """Train and evaluate one (variant, seed) from scratch (`run_all` skips the finished ones first)."""
     import yaml
 
     from trl_credit.eval_cmd import run_eval
@@ -234,11 +234,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, log) -> 
     folder = out / "runs" / variant.label / f"seed{seed}"
     result_path = folder / "result.json"
     stamp = fingerprint(settings, variant, seed)
-    done = finished(settings, variant, seed, out)
-    if done is not None:
-        log(f"  {variant.label} seed {seed}: done already ({result_path})")
-        return done
-    if result_path.exists():
+    if result_path.exists():  # not `finished`: made with other settings
         log(f"  {variant.label} seed {seed}: settings changed, redoing")
     if folder.exists():
         shutil.rmtree(folder)
@@ -306,14 +302,15 @@ def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, job
     results: list[dict[str, Any] | None] = [finished(settings, variant, seed, out) for variant, seed in tasks]
     for (variant, seed), done in zip(tasks, results):
         if done is not None:
-            log(f"  {variant.label} seed {seed}: done already")
+            log(f"  {variant.label} seed {seed}: done already ({out / 'runs' / variant.label / f'seed{seed}'})")
     todo = [i for i, done in enumerate(results) if done is None]
     failures: dict[str, str] = {}
 
     def record(i: int, exc: BaseException) -> None:
         variant, seed = tasks[i]
-        failures[f"{variant.label}/seed{seed}"] = f"{type(exc).__name__}: {exc}".split("\n")[0]
-        log(f"  {variant.label} seed {seed}: FAILED: {failures[f'{variant.label}/seed{seed}']}")
+        error = f"{type(exc).__name__}: {exc}".split("\n")[0]
+        failures[f"{variant.label}/seed{seed}"] = error
+        log(f"  {variant.label} seed {seed}: FAILED: {error}")
 
     if jobs <= 1:
         for i in todo:
