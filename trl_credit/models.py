@@ -310,10 +310,10 @@ def tiny_model(
     vocab_from: str | os.PathLike[str] | None = None,
     seed: int = 0,
     *,
-    hidden_size: int = 32,
+    hidden_size: int = 64,
     num_hidden_layers: int = 2,
     num_attention_heads: int = 2,
-    intermediate_size: int = 64,
+    intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
 ) -> str:
     """Build a tiny random ``LlamaForCausalLM`` plus tokenizer, save both to ``dir``, return ``dir``.
@@ -323,7 +323,11 @@ def tiny_model(
         vocab_from: a tokenizer directory; None uses :func:`local_tokenizer_path`.
         seed: weights are a deterministic function of the seed (the global RNG is left untouched).
         hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings:
-            architecture; the defaults give ~1.6M parameters with the 49152-token SmolLM2 vocab.
+            architecture; the defaults give ~3.3M parameters with the 49152-token SmolLM2 vocab.
+            Every linear layer is at least one NF4 block (64) wide and a multiple of 32 long: on a CPU
+            with AVX512-BF16, bitsandbytes >= 0.50 repacks 4-bit weights for its no-grad kernel and
+            cannot repack a layer narrower than a block (``shape '[32, 0]' is invalid``), so a 32-wide
+            tiny model failed QLoRA generation there while real models (widths in multiples of 64) work.
     """
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -362,6 +366,6 @@ def tiny_model_path(seed: int = 0) -> str:
     """A cached tiny model (see :func:`tiny_model`) for ``seed``, built once under the cache dir."""
     tokenizer_dir = local_tokenizer_path()
     kind = "byte" if Path(tokenizer_dir).name == "byte-level" else "smollm2"
-    target = cache_dir() / "models" / f"tiny-llama-{kind}-seed{seed}"
+    target = cache_dir() / "models" / f"tiny-llama64-{kind}-seed{seed}"
     meta = {"seed": seed, "tokenizer": tokenizer_dir}
     return str(_build_cached(target, lambda tmp: tiny_model(tmp, vocab_from=tokenizer_dir, seed=seed), meta))
