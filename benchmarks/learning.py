@@ -1,12 +1,12 @@
 """Does a plugin change what GRPO learns?  Baseline GRPO vs each installed plugin, same budget, several seeds.
 
-Every run is a real ``trl-credit train`` run (a generated YAML config, `trl_credit.run.train`): LoRA on
+Every run is a real ``trl-credit train`` run (a generated YAML config, `trl_credit.app.train_command.train`): LoRA on
 the embedded SmolLM2-135M-Instruct, the built-in ``arithmetic`` dataset at a difficulty where the
 base model is right 10-40% of the time (two-number addition with operands 1..50: 0.26 greedy on the
 100 held-out prompts used here; 1..20 gave 0.34 and 1..100 0.10 on 50 prompts), the same
 steps, the same prompts and completions per step, the same completion length and the same seeds
 for every run. Held-out accuracy is greedy, on the same 100 held-out prompts for every run, computed
-with `trl_credit.eval_cmd.run_eval` (what ``trl-credit eval`` runs): once for the base model
+with `trl_credit.app.eval_command.run_eval` (what ``trl-credit eval`` runs): once for the base model
 ("before", one number: greedy decoding of the same model) and once per trained adapter ("after").
 
     python benchmarks/learning.py --out runs/learning --jobs 2          # everything (hours: see docs/results.md)
@@ -59,7 +59,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ACC = "arithmetic_accuracy"
-PROCESS = "arithmetic_steps"  # the process-score stand-in (trl_credit.rewards.arithmetic_steps)
+PROCESS = "arithmetic_steps"  # the process-score stand-in (trl_credit.app.rewards.arithmetic_steps)
 BEGIN, END = "<!-- learning-results:begin -->", "<!-- learning-results:end -->"
 QUICK_PREFERENCE = ("dynamic_sampling", "gtpo", "gdpo", "riskpo", "drpo", "balanced_aggregation", "corrgrpo")
 
@@ -104,7 +104,7 @@ class Settings:
 
 
 def quick_settings() -> Settings:
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     return Settings(model=tiny_model_path(), dataset="arithmetic:n=64,seed=0,eval_n=8", steps=2,
                     per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
@@ -209,7 +209,7 @@ def _validate(settings: Settings, variant: Variant, folder: Path) -> str | None:
     import yaml
 
     from trl_credit.config import ConfigError
-    from trl_credit.run import validate
+    from trl_credit.app.train_command import validate
 
     path = folder / f"{variant.label}.yaml"
     path.write_text(yaml.safe_dump(run_config(settings, variant, 0, str(folder / "unused")), sort_keys=False))
@@ -228,8 +228,8 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, log) -> 
     """Train and evaluate one (variant, seed) from scratch (`run_all` skips the finished ones first)."""
     import yaml
 
-    from trl_credit.eval_cmd import run_eval
-    from trl_credit.run import train
+    from trl_credit.app.eval_command import run_eval
+    from trl_credit.app.train_command import train
 
     folder = out / "runs" / variant.label / f"seed{seed}"
     result_path = folder / "result.json"
@@ -341,7 +341,7 @@ def base_accuracy(settings: Settings, out: Path, log) -> dict[str, Any]:
     """Greedy held-out accuracy of the base model (one number: every run starts from it)."""
     import yaml
 
-    from trl_credit.eval_cmd import run_eval
+    from trl_credit.app.eval_command import run_eval
 
     path = out / "base_eval.json"
     variant = Variant("grpo", None, {}, [ACC])

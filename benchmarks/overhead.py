@@ -140,7 +140,7 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
     """
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_credit.rewards import arithmetic_accuracy
+    from trl_credit.app.rewards import arithmetic_accuracy
     from trl_credit.trainer import CreditGRPOTrainer
 
     config = GRPOConfig(
@@ -206,8 +206,9 @@ def _host_self_time(profiler) -> tuple[float, dict[str, float]]:
 
 
 def trainer_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import resolve_model, tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.app.models import resolve_model
+    from trl_credit.testing.tiny import tiny_model_path
 
     model = tiny_model_path() if args.model in (None, "tiny") else resolve_model(args.model)
     dataset = make_arithmetic(n=256, seed=args.seed)
@@ -587,7 +588,7 @@ def process_score(completions, **kwargs):
     per-plugin runs: the tiny model's accuracy is always 0, this makes groups vary so filters keep some."""
     import zlib
 
-    from trl_credit.rewards import completion_text
+    from trl_credit.app.rewards import completion_text
 
     return [(zlib.crc32(completion_text(c).encode()) % 11) / 10 for c in completions]
 
@@ -763,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads for both parts (0 = torch default); default 1")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("trainer overhead")
-    g.add_argument("--model", default="tiny", help="'tiny' (trl_credit.models.tiny_model_path), a path or an alias "
-                   "such as smollm2-135m-instruct (resolved with trl_credit.models.resolve_model)")
+    g.add_argument("--model", default="tiny", help="'tiny' (trl_credit.testing.tiny.tiny_model_path), a path or an alias "
+                   "such as smollm2-135m-instruct (resolved with trl_credit.app.models.resolve_model)")
     g.add_argument("--steps", type=int, default=None, help="timed optimiser steps per run, plus 1 warm-up step "
                    "(default 4; 2 with --quick)")
     g.add_argument("--repeats", type=int, default=None, help="vanilla/host pairs, ABBA order (default 3; 1 with --quick)")

@@ -15,14 +15,14 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; tests are tiny, one thre
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     return tiny_model_path()
 
 
 @pytest.fixture(scope="session")
 def arithmetic():
-    from trl_credit.data import make_arithmetic
+    from trl_credit.app.data import make_arithmetic
 
     return make_arithmetic(64, seed=0)
 
@@ -32,7 +32,7 @@ def make_trainer(tiny_model, arithmetic, tmp_path):
     """Build a CreditGRPOTrainer on the tiny model; keyword args go to GRPOConfig."""
     from trl import GRPOConfig
 
-    from trl_credit.rewards import arithmetic_accuracy
+    from trl_credit.app.rewards import arithmetic_accuracy
     from trl_credit.trainer import CreditGRPOTrainer
 
     def build(plugins=None, reward_funcs=None, dataset=None, trainer_cls=CreditGRPOTrainer, peft_config=None,

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from trl_credit.models import EMBEDDED_MODELS
+from trl_credit.app.models import EMBEDDED_MODELS
 
 _SMOL = EMBEDDED_MODELS["smollm2-135m-instruct"]
 HAS_EMBEDDED = importlib.util.find_spec(_SMOL.package) is not None
@@ -25,7 +25,7 @@ requires_embedded = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
     """A cached tiny random Llama (local tokenizer), built once per cache directory."""
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     return tiny_model_path(seed=0)
 

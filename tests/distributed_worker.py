@@ -15,8 +15,8 @@ from trl import GRPOConfig
 
 import plugins_for_tests as fx
 from trl_credit import hookimpl
-from trl_credit.data import make_arithmetic
-from trl_credit.models import tiny_model_path
+from trl_credit.app.data import make_arithmetic
+from trl_credit.testing.tiny import tiny_model_path
 from trl_credit.trainer import CreditGRPOTrainer
 
 torch.set_num_threads(1)

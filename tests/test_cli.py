@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_credit import cli
+from trl_credit.app import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_new_plugin_skeleton_installs_and_its_tests_pass(tmp_path, capsys):
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(package)]
     subprocess.run(pip, check=True, capture_output=True)
     try:
-        listed = subprocess.run([sys.executable, "-m", "trl_credit.cli", "plugins", "--json"], capture_output=True,
+        listed = subprocess.run([sys.executable, "-m", "trl_credit.app.cli", "plugins", "--json"], capture_output=True,
                                 text=True, check=True)
         assert "shiny_method" in {e["name"] for e in json.loads(listed.stdout)}
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],

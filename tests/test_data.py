@@ -1,4 +1,4 @@
-"""Tests for trl_credit.data: the arithmetic generator and load_train_eval."""
+"""Tests for trl_credit.app.data: the arithmetic generator and load_train_eval."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from trl_credit.data import load_train_eval, make_arithmetic, parse_arithmetic_spec
+from trl_credit.app.data import load_train_eval, make_arithmetic, parse_arithmetic_spec
 
 _OPERAND = re.compile(r"\(?(-?\d+)\)?")
 

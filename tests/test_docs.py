@@ -76,7 +76,7 @@ def _cli_commands(markdown: str) -> set[str]:
 
 @pytest.mark.parametrize("doc", ["configuration.md", "tutorial.md", "hooks.md", "index.md"])
 def test_cli_commands_named_in_docs_exist(doc, capsys):
-    from trl_credit.cli import main
+    from trl_credit.app.cli import main
 
     commands = _cli_commands((DOCS / doc).read_text(encoding="utf-8"))
     if doc == "configuration.md":

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trl_credit import cli
-from trl_credit.models import embedded_gguf_path
+from trl_credit.app import cli
+from trl_credit.app.models import embedded_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 

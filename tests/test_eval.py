@@ -9,11 +9,11 @@ import textwrap
 import pytest
 import yaml
 
-from trl_credit import cli
-from trl_credit.evaluate import evaluate_model, heldout_accuracy, pass_at_k, score_completions
+from trl_credit.app import cli
+from trl_credit.app.heldout import evaluate_model, heldout_accuracy, pass_at_k, score_completions
 
 REWARDS_MODULE = '''
-from trl_credit.rewards import completion_text
+from trl_credit.app.rewards import completion_text
 
 
 def odd_length(completions, **kwargs):
@@ -76,13 +76,13 @@ def tiny(tiny_model):
 
 
 def _odd_length(completions, **kwargs):
-    from trl_credit.rewards import completion_text
+    from trl_credit.app.rewards import completion_text
 
     return [float(len(completion_text(c)) % 2 == 1) for c in completions]
 
 
 def test_evaluate_model_pass_at_k_matches_its_samples(tiny):
-    from trl_credit.data import make_arithmetic
+    from trl_credit.app.data import make_arithmetic
 
     model, tokenizer = tiny
     ds = make_arithmetic(5, seed=3)
@@ -116,7 +116,7 @@ def test_evaluate_model_pass_at_k_matches_its_samples(tiny):
 
 
 def test_evaluate_model_rejects_k_above_n(tiny):
-    from trl_credit.data import make_arithmetic
+    from trl_credit.app.data import make_arithmetic
 
     with pytest.raises(ValueError, match="k must be in 1..n"):
         evaluate_model(*tiny, make_arithmetic(2), [_odd_length], n=2, ks=[4])
@@ -198,8 +198,8 @@ def test_eval_of_a_trained_run(trained_run, capsys, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_credit.data import load_train_eval
-    from trl_credit.rewards import arithmetic_accuracy
+    from trl_credit.app.data import load_train_eval
+    from trl_credit.app.rewards import arithmetic_accuracy
 
     _, heldout = load_train_eval("arithmetic:n=32,eval_n=8", seed=0)
     heldout = heldout.select(range(6))

@@ -1,4 +1,4 @@
-"""Tests for trl_credit.evaluate."""
+"""Tests for trl_credit.app.heldout."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from trl_credit.data import make_arithmetic
-from trl_credit.evaluate import generate_answers, heldout_accuracy, plot_reward_curve, write_metrics
-from trl_credit.rewards import arithmetic_accuracy
+from trl_credit.app.data import make_arithmetic
+from trl_credit.app.heldout import generate_answers, heldout_accuracy, plot_reward_curve, write_metrics
+from trl_credit.app.rewards import arithmetic_accuracy
 
 try:
     from conftest_helpers_models import tiny_model_and_tokenizer, tiny_model_dir  # noqa: F401 (fixtures)

@@ -87,7 +87,7 @@ def test_presets_and_seeds():
     learning = _load("learning")
     assert learning.parse_seeds("3") == [0, 1, 2] and learning.parse_seeds("0,4") == [0, 4]
     assert learning.Variant("gdpo", "gdpo", {}, [learning.ACC, learning.PROCESS]).baseline == "grpo+steps"
-    from trl_credit.rewards import known_reward_names
+    from trl_credit.app.rewards import known_reward_names
 
     assert learning.PROCESS in known_reward_names()  # the process-score stand-in is a built-in reward
     # trainer keys a plugin needs go into its config and its baseline's (a separate, paired baseline)

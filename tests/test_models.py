@@ -1,4 +1,4 @@
-"""Tests for trl_credit.models: embedded GGUF conversion, pass-through, tiny models, the cache."""
+"""Tests for trl_credit.app.models: embedded GGUF conversion, pass-through, tiny models, the cache."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from trl_credit import models
-from trl_credit.models import EMBEDDED_MODELS, resolve_model, tiny_model
+from trl_credit import cache
+from trl_credit.app import models
+from trl_credit.testing import tiny
+from trl_credit.app.models import EMBEDDED_MODELS, resolve_model
+from trl_credit.testing.tiny import tiny_model
 
 try:
     from conftest_helpers_models import requires_embedded, tiny_model_dir  # noqa: F401 (fixture)
@@ -23,7 +26,7 @@ except ImportError:  # tests/ became a package
 def test_models_module_does_not_import_torch():
     import subprocess
 
-    code = "import sys, trl_credit.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, trl_credit.app.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
@@ -113,7 +116,7 @@ def test_tiny_model_builds_runs_and_is_seeded(tmp_path, tiny_model_dir):
 
 
 def test_tiny_model_path_is_cached(tiny_model_dir):
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     assert Path(tiny_model_dir, "model.safetensors").is_file()
     assert Path(tiny_model_dir, "tokenizer_config.json").is_file()
@@ -127,9 +130,8 @@ def test_byte_level_fallback_tokenizer(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setenv("TRL_CREDIT_CACHE", str(tmp_path / "cache"))
-    entry = dataclasses.replace(EMBEDDED_MODELS["smollm2-135m-instruct"], package="no_such_pkg_trl_credit_xyz")
-    monkeypatch.setitem(EMBEDDED_MODELS, "smollm2-135m-instruct", entry)
-    tok_dir = models.local_tokenizer_path()
+    monkeypatch.setattr(tiny, "TOKENIZER_GGUF", ("no_such_pkg_trl_credit_xyz", tiny.TOKENIZER_GGUF[1]))
+    tok_dir = tiny.local_tokenizer_path()
     assert Path(tok_dir).name == "byte-level"
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     text = tokenizer.apply_chat_template(
@@ -154,7 +156,7 @@ def test_build_cached_builds_once_under_concurrency(tmp_path):
     target = tmp_path / "models" / "thing"
     target.parent.mkdir(parents=True)
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(models._build_cached(target, build, {}))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(cache.build_cached(target, build, {}))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -174,8 +176,8 @@ def test_build_cached_replaces_incomplete_entry_and_cleans_up_on_failure(tmp_pat
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        models._build_cached(target, failing, {})
+        cache.build_cached(target, failing, {})
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
-    models._build_cached(target, lambda tmp: (tmp / "good").write_text("x"), {})
+    cache.build_cached(target, lambda tmp: (tmp / "good").write_text("x"), {})
     assert (target / "good").is_file() and not (target / "junk").exists()

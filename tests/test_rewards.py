@@ -1,4 +1,4 @@
-"""Tests for trl_credit.rewards."""
+"""Tests for trl_credit.app.rewards."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from trl_credit.rewards import arithmetic_accuracy, known_reward_names, resolve_reward_funcs
+from trl_credit.app.rewards import arithmetic_accuracy, known_reward_names, resolve_reward_funcs
 
 
 @pytest.mark.parametrize(
@@ -84,9 +84,9 @@ def test_resolve_dotted_paths_and_callables(tmp_path, monkeypatch):
         ["my_rewards_mod_xyz.const_reward", "my_rewards_mod_xyz:const_reward", len]
     )
     assert dotted(["a", "b"]) == [0.5, 0.5] and colon is dotted and direct is len
-    assert resolve_reward_funcs(["trl_credit.rewards.arithmetic_accuracy"]) == [arithmetic_accuracy]
+    assert resolve_reward_funcs(["trl_credit.app.rewards.arithmetic_accuracy"]) == [arithmetic_accuracy]
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
-        resolve_reward_funcs(["trl_credit.rewards.nope"])
+        resolve_reward_funcs(["trl_credit.app.rewards.nope"])
     with pytest.raises(ModuleNotFoundError):
         resolve_reward_funcs(["no_such_module_xyz.func"])
     sys.modules.pop("my_rewards_mod_xyz", None)

@@ -8,15 +8,14 @@ import re
 import pytest
 import torch
 
-from trl_credit.rewards import (
+from trl_credit.app.rewards import (
     arithmetic_steps,
     known_reward_names,
     resolve_reward_funcs,
 )
+from trl_credit.app.arithmetic_steps import arithmetic_step_scores, check_equations
 from trl_credit.steps import (
     _prefix_ends,
-    arithmetic_step_scores,
-    check_equations,
     known_step_scorers,
     pad_step_scores,
     resolve_step_scorer,
@@ -33,7 +32,7 @@ from trl_credit.testing import make_batch
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from trl_credit.models import local_tokenizer_path
+    from trl_credit.testing.tiny import local_tokenizer_path
 
     return AutoTokenizer.from_pretrained(local_tokenizer_path())
 
@@ -113,8 +112,8 @@ def my_scorer(prompts, completions, steps, columns, bonus=0.0):
 def test_resolve_step_scorer():
     assert "arithmetic" in known_step_scorers()
     assert resolve_step_scorer("arithmetic")(None, None, [["1+1=2"]], {}) == [[1.0]]
-    assert resolve_step_scorer("trl_credit.steps:arithmetic_step_scores") is arithmetic_step_scores
-    assert resolve_step_scorer("trl_credit.steps.arithmetic_step_scores") is arithmetic_step_scores
+    assert resolve_step_scorer("trl_credit.app.arithmetic_steps:arithmetic_step_scores") is arithmetic_step_scores
+    assert resolve_step_scorer("trl_credit.app.arithmetic_steps.arithmetic_step_scores") is arithmetic_step_scores
     assert resolve_step_scorer(my_scorer) is my_scorer
     with pytest.raises(ValueError, match="unknown step scorer 'arithmetc'.*arithmetic"):
         resolve_step_scorer("arithmetc")

@@ -14,7 +14,8 @@ Step-based plugins (PRM reward refinement, gated reward accumulation, ...) share
   may follow). :func:`resolve_step_scorer` turns a built-in name or a dotted path
   ``"pkg.module:func"`` into the callable; :func:`score_steps` calls it and checks what it returns.
 
-The built-in scorer ``arithmetic`` (:func:`arithmetic_step_scores`) is a rule-based checker of
+Named scorers are found under the entry-point group ``trl_credit.step_scorers``. The host's
+application registers ``arithmetic`` (`trl_credit.app.arithmetic_steps`), a rule-based checker of
 integer equations: the deterministic stand-in for a process reward model (PRM) that the tests and
 benchmarks use. A learned PRM plugs in through the same interface (a dotted path to a function that
 runs the model).
@@ -30,6 +31,7 @@ cleans up spaces) is measured exactly by decoding its prefixes. A stand-in token
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import math
 import os
 import re
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit.rewards import completion_text
+from trl_credit.answers import completion_text
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +57,6 @@ __all__ = [
     "DEFAULT_PATTERN",
     "StepConfig",
     "StepScorer",
-    "arithmetic_step_scores",
-    "check_equations",
     "known_step_scorers",
     "pad_step_scores",
     "resolve_step_scorer",
@@ -273,17 +273,17 @@ def token_steps(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN,
 
 
 # ----------------------------------------------------------------------------------------- scorers
-def _arithmetic(prompts: Sequence[Any], completions: Sequence[Any], steps: Sequence[Sequence[str]],
-                columns: dict[str, list] | None = None, *, neutral: float = 0.0) -> list[list[float]]:
-    return arithmetic_step_scores(prompts, completions, steps, columns, neutral=neutral)
+#: Entry-point group of named step scorers (the host registers ``arithmetic``; a package may add more).
+STEP_SCORER_GROUP = "trl_credit.step_scorers"
 
 
-_BUILTIN_SCORERS: dict[str, StepScorer] = {"arithmetic": _arithmetic}
+def _named_scorers() -> dict[str, Any]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=STEP_SCORER_GROUP)}
 
 
 def known_step_scorers() -> list[str]:
-    """Names :func:`resolve_step_scorer` accepts without a dotted path."""
-    return sorted(_BUILTIN_SCORERS)
+    """Names :func:`resolve_step_scorer` accepts without a dotted path (entry points ``trl_credit.step_scorers``)."""
+    return sorted(_named_scorers())
 
 
 def resolve_step_scorer(name: str | StepScorer) -> StepScorer:
@@ -295,8 +295,9 @@ def resolve_step_scorer(name: str | StepScorer) -> StepScorer:
     """
     if callable(name):
         return name
-    if name in _BUILTIN_SCORERS:
-        return _BUILTIN_SCORERS[name]
+    named = _named_scorers()
+    if name in named:
+        return named[name].load()
     if "." not in name and ":" not in name:
         raise ValueError(f"unknown step scorer {name!r}; built-in: {', '.join(known_step_scorers())}, "
                          "or a dotted import path such as 'my_pkg.prm:score_steps'")
@@ -366,120 +367,6 @@ def pad_step_scores(scores: Sequence[Sequence[float]], device: Any = None) -> tu
         col = torch.arange(flat.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         out[row, col] = flat
     return out.to(device) if device is not None else out, counts.to(device) if device is not None else counts
-
-
-# ----------------------------------------------------------------------------------------- arithmetic checker
-_OP = r"[-+*×·]"
-_NUM = r"-?\d+"
-# lhs: operand (op operand)+ with optional parentheses and a leading minus; rhs: an integer
-_EQUATION = re.compile(
-    rf"(?P<lhs>(?:-\s*)?(?:\(\s*)*{_NUM}(?:(?:\s*\))*\s*{_OP}\s*(?:\(\s*)*{_NUM})+(?:\s*\))*)"
-    rf"\s*=\s*(?P<rhs>{_NUM})"
-    r"(?![\w.,]\d|\w)"
-)
-_OPERATORS = frozenset("+-*×·/÷^%")  # an expression continuing past the match: not a plain equation
-_GLUED = frozenset("._(),")  # "3.5 + 2", "f(3 + 4": the match is part of something else
-_LEADING_ZERO = re.compile(r"(?<!\d)0+(?=\d)")
-
-
-@lru_cache(maxsize=65536)
-def _evaluate(lhs: str) -> int | None:
-    """Integer value of ``lhs`` (+, -, *, parentheses, unary minus), or None if it does not parse.
-
-    ``lhs`` comes from ``_EQUATION``, so it holds only digits, spaces, parentheses and single
-    operators between operands (never ``**``); Python's own parser evaluates it.
-    """
-    expr = lhs.replace("×", "*").replace("·", "*")
-    depth = expr.count("(") - expr.count(")")
-    if depth > 0:  # drop unmatched parentheses at the edges: "(3 + 4 = 7)" checks "3 + 4"
-        expr = expr.lstrip()
-        while depth > 0 and expr.startswith("("):
-            expr, depth = expr[1:].lstrip(), depth - 1
-    elif depth < 0:
-        expr = expr.rstrip()
-        while depth < 0 and expr.endswith(")"):
-            expr, depth = expr[:-1].rstrip(), depth + 1
-    if "**" in expr or not set(expr) <= _SAFE:
-        return None
-    expr = _LEADING_ZERO.sub("", expr)
-    try:
-        value = eval(compile(expr, "<equation>", "eval"), {"__builtins__": {}}, {})
-    except (SyntaxError, ValueError, TypeError):
-        return None
-    return value if isinstance(value, int) else None
-
-
-_SAFE = frozenset("0123456789+-*() \t")
-
-
-def check_equations(text: str) -> list[bool]:
-    """Every integer equation ``a op b [op c ...] = d`` (ops ``+ - *``, also ``×`` and ``·``;
-    parentheses optional) in ``text``, in order: True where it is arithmetically right.
-
-    Left sides that continue an expression the checker cannot read (a variable, a division, a
-    decimal, an exponent: ``x - 3 = 4``, ``8 / 2 + 1 = 5``) and right sides that continue
-    (``3 + 4 = 10 - 3``, ``= 7.5``) are skipped, not judged.
-    """
-    return [ok for _, ok in _equations(text)]
-
-
-def _equations(text: str) -> list[tuple[int, bool]]:
-    """``(start, right)`` of every checkable equation in ``text`` (see :func:`check_equations`)."""
-    if "=" not in text:
-        return []
-    results = []
-    size = len(text)
-    for match in _EQUATION.finditer(text):
-        start, end = match.span()
-        if start:
-            before = text[start - 1]
-            if before.isalnum() or before in _GLUED:
-                continue  # glued to a word, a decimal or a call: "x-3 + 4 = 1", "3.5 + 2 = 5"
-            j = start - 1
-            while j >= 0 and text[j] in " \t":
-                j -= 1
-            if j >= 0 and text[j] in _OPERATORS:
-                continue  # the expression goes on to the left: "8 / 2 + 1 = 5"
-        k = end
-        while k < size and text[k] in " \t":
-            k += 1
-        if k < size and text[k] in _OPERATORS:
-            continue  # the right side goes on: "3 + 4 = 10 - 3"
-        value = _evaluate(match.group("lhs"))
-        if value is not None:
-            results.append((start, value == int(match.group("rhs"))))
-    return results
-
-
-def arithmetic_step_scores(prompts: Sequence[Any], completions: Sequence[Any], steps: Sequence[Sequence[str]],
-                           columns: dict[str, list] | None = None, *, neutral: float = 0.0) -> list[list[float]]:
-    """Built-in step scorer ``arithmetic``: a rule-based checker standing in for a PRM.
-
-    Each step scores 1.0 when it holds at least one integer equation (:func:`check_equations`)
-    and every equation in it is right, 0.0 when any is wrong, and ``neutral`` when it holds none.
-
-    ``neutral`` defaults to 0.0: a step the checker cannot verify earns nothing, so padding a
-    solution with unverifiable text is never rewarded (the reward hacking that Clip/Delta and
-    gated accumulation guard against). This scorer is deterministic and model-free; it is the
-    stand-in for a learned PRM in tests and benchmarks, not a PRM.
-    """
-    neutral = float(neutral)
-    scores = []
-    for row in steps:
-        out = [neutral] * len(row)
-        if row:
-            # one regex pass per completion: steps joined by NUL, which no equation can cross
-            found = _equations("\x00".join(row))
-            if found:
-                starts = list(accumulate((len(step) + 1 for step in row[:-1]), initial=0))
-                right: dict[int, bool] = {}
-                for pos, ok in found:
-                    k = bisect_right(starts, pos) - 1
-                    right[k] = right.get(k, True) and ok
-                for k, ok in right.items():
-                    out[k] = 1.0 if ok else 0.0
-        scores.append(out)
-    return scores
 
 
 class StepConfig(BaseModel):

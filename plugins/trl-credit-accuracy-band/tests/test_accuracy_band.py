@@ -181,8 +181,8 @@ def test_training_with_refill(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     reward, calls = band_reward()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,

@@ -54,8 +54,8 @@ def trained(tmp_path_factory):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     def parity(completions, **kwargs):  # mixed rewards in every group, whatever the model writes
         return [float(i % 2) for i in range(len(completions))]

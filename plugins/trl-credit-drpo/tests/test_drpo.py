@@ -276,8 +276,8 @@ def test_training_run(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     def half_right(completions, **kwargs):
         """Every group of 4 gets rewards [0, 1, 0, 1]: each group has positives and negatives."""

@@ -172,8 +172,8 @@ def make_trainer(tmp_path, plugin_options, reward):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",

@@ -232,7 +232,7 @@ def test_gcs_logs_effective_fraction():
 
 # ------------------------------------------------------------------------- real runs
 def _staged_dataset(per_level: int):
-    from trl_credit.data import make_arithmetic
+    from trl_credit.app.data import make_arithmetic
 
     ds = make_arithmetic(n=60, seed=0, max_value=20, ops="+*")               # difficulty 1, 2 and 3
     rows = [i for level in (1, 2, 3) for i in [j for j, d in enumerate(ds["difficulty"]) if d == level][:per_level]]
@@ -279,7 +279,7 @@ def test_training_run_both_parts_with_peft_scores_reference(tmp_path):
     vanishes: ratio 1, zero-mean advantages per group, equal lengths).
     """
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     log: list = []
     trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward(log)],
@@ -306,7 +306,7 @@ def test_training_run_both_parts_with_peft_scores_reference(tmp_path):
 
 def test_training_without_reference_fails_early(tmp_path):
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(fg_expo\) sets the KL coefficient"):
         CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward([])],
@@ -325,7 +325,7 @@ def test_gcs_draws_frontier_prompts_more_often(tmp_path):
     (switched off through disabled_hooks), so the run needs no reference model and no adapter.
     """
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     steps, warmup = 8, 3
 

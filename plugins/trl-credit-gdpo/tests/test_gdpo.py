@@ -188,8 +188,8 @@ def test_training_run(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     def length_reward(completions, **kwargs):
         return [min(len(c), 8) / 8 for c in completions]

@@ -184,9 +184,9 @@ def test_training_run(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
-    from trl_credit.rewards import arithmetic_accuracy
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.app.rewards import arithmetic_accuracy
 
     Observer.seen.clear()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,

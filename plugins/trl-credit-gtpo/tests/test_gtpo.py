@@ -192,8 +192,8 @@ def test_training_run(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
 
     def parity(completions, **kwargs):   # mixed groups whatever the model writes
         return [float(i % 2) for i in range(len(completions))]

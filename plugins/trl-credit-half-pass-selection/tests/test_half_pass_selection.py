@@ -184,7 +184,7 @@ def stand_in_reward(log):
 
 def arithmetic():
     """32 rows: difficulty 1 (8 rows: one-digit sums), 2 (20), 3 (4), plus a ``row`` column."""
-    from trl_credit.data import make_arithmetic
+    from trl_credit.app.data import make_arithmetic
 
     data = make_arithmetic(n=32, seed=0, max_value=12, ops="+*")
     return data.add_column("row", list(range(len(data))))
@@ -194,7 +194,7 @@ def make_trainer(tmp_path, plugins, log, max_steps=6, callbacks=None, **override
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.models import tiny_model_path
+    from trl_credit.testing.tiny import tiny_model_path
 
     args = GRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 16, "num_generations": G,
                          "max_completion_length": 4, "max_steps": max_steps, "report_to": "none",

@@ -25,7 +25,7 @@ from trl_credit.config import (
 )
 from trl_credit.pipeline import PluginRuntimeError
 from trl_credit.plugins import implemented_hooks, new_manager
-from trl_credit.rewards import last_number
+from trl_credit.app.rewards import last_number
 from trl_credit.testing import (
     check_plugin,
     edge_case_batches,
@@ -364,9 +364,9 @@ def make_trainer(out_dir, max_steps, **kwargs):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
-    from trl_credit.rewards import arithmetic_accuracy
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.app.rewards import arithmetic_accuracy
 
     args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=max_steps, report_to="none", use_cpu=True,

@@ -203,9 +203,9 @@ def test_training_run(tmp_path):
     from trl import GRPOConfig
 
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.data import make_arithmetic
-    from trl_credit.models import tiny_model_path
-    from trl_credit.rewards import completion_text
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.app.rewards import completion_text
 
     raw = {"answer": [], "thinking": []}
 

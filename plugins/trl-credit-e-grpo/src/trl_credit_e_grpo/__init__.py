@@ -22,7 +22,7 @@ Implemented as a reward shaper: the correctness column (correct = value ``>= cor
 replaced by R_i; a NaN correctness stays NaN (an unscored completion gets no partial credit). The
 gold entities come from a dataset column holding a list of strings or one delimited string. The text
 searched is the completion: all assistant messages of a chat completion (``scope: assistant``) or
-only its last message (``scope: last``, ``trl_credit.rewards.completion_text``).
+only its last message (``scope: last``, ``trl_credit.app.rewards.completion_text``).
 
 Source: Zhao et al. 2025, "Repurposing Synthetic Data for Fine-grained Search Agent Supervision"
 (E-GRPO), arXiv 2510.24694. Reconstructed from the abstract (no official code located): "assigns
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trl_credit import hookimpl
-from trl_credit.rewards import completion_text
+from trl_credit.app.rewards import completion_text
 
 if TYPE_CHECKING:
     import torch

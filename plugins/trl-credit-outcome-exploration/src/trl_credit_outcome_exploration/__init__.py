@@ -41,7 +41,7 @@ Defaults and what is NOT established (each is a config option):
   question is its group of samples. Unparseable answers (``unparseable = "bucket"``) share one
   bucket ``"∅"``, counted and penalised like any answer; ``"no_bonus"``: no bonus, no penalty,
   not counted (**not established**, the paper's datasets always have an extracted answer).
-- Canonicalisation ``"last_number"`` (the host's ``trl_credit.rewards.last_number``, normalised:
+- Canonicalisation ``"last_number"`` (the host's ``trl_credit.app.rewards.last_number``, normalised:
   ``12.0 -> "12"``); ``"math_verify"`` uses ``math_verify.parse`` (first parsed value as sympy
   prints it, so ``\\frac12`` and ``1/2`` meet but ``0.5`` and ``sqrt(8)`` vs ``2*sqrt(2)`` do not;
   about 4 ms per 4 kB completion, i.e. ~30 s per 8192 completions: for competition math only).
@@ -62,10 +62,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trl_credit import hookimpl
-from trl_credit.rewards import (
+from trl_credit.app.rewards import (
     _NUMBER as _HOST_NUMBER,  # the regex of last_number, so both read alike
 )
-from trl_credit.rewards import completion_text  # stdlib-only module: cheap to import
+from trl_credit.app.rewards import completion_text  # stdlib-only module: cheap to import
 
 if TYPE_CHECKING:
     import torch
@@ -229,7 +229,7 @@ class OutcomeExploration:
         batch: bool = Field(True, description="add the within-group repetition penalty b_batch")
         c_batch: float = Field(1.0, ge=0.0, description="repetition penalty scale (not established; methods.md uses 1)")
         canonicalizer: Literal["last_number", "math_verify"] = Field(
-            "last_number", description="final-answer extraction: the last number in the text (trl_credit.rewards."
+            "last_number", description="final-answer extraction: the last number in the text (trl_credit.app.rewards."
             "last_number, normalised) or math_verify.parse (slow: ~4 ms per completion)")
         parse_timeout: int = Field(5, ge=0, description="math_verify parsing timeout in seconds (0 = none)")
         unparseable: Literal["bucket", "no_bonus"] = Field(

@@ -174,7 +174,7 @@ def rpr_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     Use it in ``reward_funcs`` (``trl_credit_rpr.rpr_reward``) to score RPR on each process's own
     completions instead of in the plugin's hook (which runs on the gathered batch on every rank).
     """
-    from trl_credit.rewards import completion_text
+    from trl_credit.app.rewards import completion_text
 
     return score_spans([thinking_span(completion_text(c)) for c in completions])[0]
 
@@ -246,7 +246,7 @@ class ReasoningPatternReward:
 
     def scores(self, completions: Sequence[Any]) -> tuple[list[float], list[int], list[float], list[int]]:
         """Per completion: RPR, phrases present, repetition ratio, user-marker count."""
-        from trl_credit.rewards import completion_text
+        from trl_credit.app.rewards import completion_text
 
         c = self.config
         spans = [thinking_span(completion_text(x), c.think_start, c.think_end, c.repo_slicing) for x in completions]

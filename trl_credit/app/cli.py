@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            from trl_credit.run import dump, train
+            from trl_credit.app.train_command import dump, train
 
             metrics = train(args.config, _overrides(args.overrides))
             if metrics.get("is_main_process", True):
@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "eval":
             return _eval(args)
         elif args.command == "validate":
-            from trl_credit.run import validate
+            from trl_credit.app.train_command import validate
 
             cfg = validate(args.config, _overrides(args.overrides))
             print(f"{args.config}: OK; plugins in call order: {', '.join(cfg.plugins.names) or 'none'}")
         elif args.command == "plugins":
             return _plugins(args)
         elif args.command == "new-plugin":
-            from trl_credit.scaffold import new_plugin
+            from trl_credit.app.new_plugin import new_plugin
 
             target = Path(args.dir) if args.dir else (Path("plugins") if Path("plugins").is_dir() else Path("."))
             path = new_plugin(args.name, target)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _eval(args) -> int:
-    from trl_credit.eval_cmd import format_table, parse_ks, run_eval
+    from trl_credit.app.eval_command import format_table, parse_ks, run_eval
 
     try:
         ks = parse_ks(args.k)

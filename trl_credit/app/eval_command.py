@@ -22,13 +22,13 @@ import time
 from typing import Any
 
 from trl_credit.config import ConfigError
-from trl_credit.run import CONFIG_FILE
+from trl_credit.app.train_command import CONFIG_FILE
 
 __all__ = ["format_table", "load_model", "resolve_source", "run_eval"]
 
 def resolve_source(target: str):
     """``(Loaded config, output_dir or None)`` for a config file or a ``trl-credit train`` output dir."""
-    from trl_credit.run import load_config
+    from trl_credit.app.train_command import load_config
 
     if not os.path.isdir(target):
         return load_config(target), None
@@ -67,7 +67,7 @@ def load_model(cfg, output_dir: str | None, base: bool, device: str = "cpu") -> 
     from trl import get_quantization_config
     from trl.trainer.utils import create_model_from_path
 
-    from trl_credit.models import resolve_model
+    from trl_credit.app.models import resolve_model
 
     margs, targs = cfg.model_args, cfg.training_args
     base_path = resolve_model(margs.model_name_or_path)
@@ -108,7 +108,7 @@ def load_model(cfg, output_dir: str | None, base: bool, device: str = "cpu") -> 
 
 
 def _split(cfg, split: str):
-    from trl_credit.run import load_datasets
+    from trl_credit.app.train_command import load_datasets
 
     args = cfg.script_args
     if split == args.dataset_train_split:
@@ -158,9 +158,9 @@ def run_eval(
     """
     import importlib.metadata
 
-    from trl_credit.evaluate import evaluate_model, write_metrics
-    from trl_credit.rewards import known_reward_names
-    from trl_credit.run import reward_functions
+    from trl_credit.app.heldout import evaluate_model, write_metrics
+    from trl_credit.app.rewards import known_reward_names
+    from trl_credit.app.train_command import reward_functions
 
     started = time.time()
     cfg, output_dir = resolve_source(target)

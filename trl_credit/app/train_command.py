@@ -109,7 +109,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> Loaded:
 
 
 def load_datasets(cfg: Loaded):
-    from trl_credit.data import load_train_eval
+    from trl_credit.app.data import load_train_eval
 
     args = cfg.script_args
     if cfg.dataset_args.datasets:
@@ -125,7 +125,7 @@ def load_datasets(cfg: Loaded):
 
 
 def reward_functions(cfg: Loaded) -> list:
-    from trl_credit.rewards import resolve_reward_funcs
+    from trl_credit.app.rewards import resolve_reward_funcs
 
     names = list(cfg.script_args.reward_funcs or ["arithmetic_accuracy"])
     try:
@@ -160,8 +160,8 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
 
     from trl import get_peft_config, get_quantization_config
 
-    from trl_credit.evaluate import heldout_accuracy, plot_reward_curve, write_metrics
-    from trl_credit.models import resolve_model
+    from trl_credit.app.heldout import heldout_accuracy, plot_reward_curve, write_metrics
+    from trl_credit.app.models import resolve_model
     from trl_credit.trainer import CreditGRPOTrainer
 
     targs, margs = cfg.training_args, cfg.model_args

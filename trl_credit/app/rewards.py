@@ -12,39 +12,14 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
+
+from trl_credit.answers import NUMBER_PATTERN, completion_text, last_number
 from typing import Any
 
 __all__ = ["arithmetic_accuracy", "arithmetic_steps", "completion_text", "known_reward_names", "last_number",
            "resolve_reward_funcs"]
 
 RewardFunc = Callable[..., list[Any]]
-
-# A number: optional minus (only when not glued to a preceding digit, so "5-3" reads as 5 and 3),
-# digits with optional thousands separators, optional decimals (so "12.0" reads as 12).
-_NUMBER = re.compile(r"(?:(?<!\d)-)?\d+(?:,\d{3})*(?:\.\d+)?")
-
-
-def completion_text(completion: Any) -> str:
-    """Text of one completion: a string, or the last message's ``content`` of a message list."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        completion = [completion]
-    if isinstance(completion, Sequence) and completion:
-        content = completion[-1].get("content", "") if isinstance(completion[-1], dict) else completion[-1]
-        if isinstance(content, list):  # multimodal parts: keep the text ones
-            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        return "" if content is None else str(content)
-    return ""
-
-
-def last_number(text: str) -> Decimal | None:
-    """The last number written in ``text`` (e.g. ``"12 + 7 = 19."`` -> Decimal("19")), or None."""
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    return Decimal(matches[-1].replace(",", ""))
-
 
 def arithmetic_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float]:
     """1.0 where the last integer in the completion equals ``answer``, else 0.0.
@@ -73,10 +48,11 @@ def arithmetic_steps(completions: Sequence[Any], **kwargs: Any) -> list[float]:
 
     The completion is cut into steps at newlines (:func:`trl_credit.steps.split_steps`); a step
     scores 1.0 when every integer equation in it is right, 0.0 when one is wrong or it holds none
-    (:func:`trl_credit.steps.arithmetic_step_scores`). A completion without steps scores 0.0. A
+    (:func:`trl_credit.app.arithmetic_steps.arithmetic_step_scores`). A completion without steps scores 0.0. A
     deterministic process-score column (a stand-in for a PRM) for shapers such as P-GRPO or Trust-GRPO.
     """
-    from trl_credit.steps import arithmetic_step_scores, split_steps
+    from trl_credit.app.arithmetic_steps import arithmetic_step_scores
+    from trl_credit.steps import split_steps
 
     steps = [split_steps(completion_text(c))[0] for c in completions]
     scores = arithmetic_step_scores([None] * len(steps), list(completions), steps)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from trl_credit.rewards import arithmetic_accuracy
+from trl_credit.app.rewards import arithmetic_accuracy
 
 logger = logging.getLogger(__name__)
 

@@ -285,7 +285,7 @@ def difficulty_reward(pass_rate: dict[int, float], group_size: int, log: list | 
     Completion ``i`` of a prompt with ``difficulty`` d passes (1.0) iff its position in its group,
     ``i % group_size``, is below ``round(pass_rate[d] * group_size)``: every group of a difficulty-d
     prompt passes exactly that fraction, so per-prompt pass rates are known in advance. Needs a
-    ``difficulty`` dataset column (``trl_credit.data.make_arithmetic`` has one). When ``log`` is
+    ``difficulty`` dataset column (``trl_credit.app.data.make_arithmetic`` has one). When ``log`` is
     given, each call appends the dataset rows of its groups (from ``index_column``: the host's
     prompt index by default) to it, one list per generation round. The reward column is named
     ``difficulty_reward``.

