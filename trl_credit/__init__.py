@@ -1,22 +1,45 @@
 """trl-credit: credit-assignment plugins for TRL's GRPOTrainer.
 
-``from trl_credit import hookimpl`` to write a plugin; ``CreditGRPOTrainer`` is the drop-in trainer.
-Heavy names are imported lazily so that ``trl-credit plugins`` stays fast.
+This module is the public API: everything a plugin may import is listed in ``__all__`` (plus the
+testing kit, `trl_credit.testing`). Plugins in this repository import nothing else from the host, and
+a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins`` stays fast.
+
+- writing a plugin: `hookimpl`, `Plugin`, `Refill`, `RunInfo`, `ConfigError`
+- what hooks see: `RolloutBatch`, `PromptStats`
+- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`,
+  `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
+  (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
+- running: `CreditGRPOTrainer`; errors at run time: `PluginRuntimeError`
 """
 
-from trl_credit.hookspecs import hookimpl, hookspec
+from trl_credit.hookspecs import hookimpl
 
-__version__ = "0.1.0"
-__all__ = ["hookimpl", "hookspec", "CreditGRPOTrainer", "RolloutBatch", "PromptStats", "ConfigError",
-           "PluginRuntimeError", "__version__"]
+__version__ = "0.2.0"
 
 _LAZY = {
-    "CreditGRPOTrainer": "trl_credit.trainer",
+    "Plugin": "trl_credit.plugin",
+    "Refill": "trl_credit.plugin",
+    "RunInfo": "trl_credit.plugin",
+    "PluginInfo": "trl_credit.plugin",
+    "ConfigError": "trl_credit.config",
     "RolloutBatch": "trl_credit.batch",
     "PromptStats": "trl_credit.batch",
-    "ConfigError": "trl_credit.config",
+    "StepConfig": "trl_credit.steps",
+    "split_steps": "trl_credit.steps",
+    "token_steps": "trl_credit.steps",
+    "step_scores": "trl_credit.steps",
+    "score_steps": "trl_credit.steps",
+    "resolve_step_scorer": "trl_credit.steps",
+    "pad_step_scores": "trl_credit.steps",
+    "completion_text": "trl_credit.answers",
+    "last_number": "trl_credit.answers",
+    "GRPOAdvantage": "trl_credit.builtin",
+    "grpo_advantages": "trl_credit.builtin",
+    "CreditGRPOTrainer": "trl_credit.trainer",
     "PluginRuntimeError": "trl_credit.pipeline",
 }
+
+__all__ = ["hookimpl", *_LAZY, "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,3 +48,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'trl_credit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -68,7 +68,6 @@ class RolloutBatch:
     scorer: Scorer | None = None
     token_cache: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    current_plugin: str = "host"
     _rows: torch.Tensor | None = None  # rows of the root batch this view selects
     _root: RolloutBatch | None = None
 
@@ -154,11 +153,16 @@ class RolloutBatch:
             raise KeyError(f"no dataset column {name!r}; columns are {sorted(self.columns)}") from None
 
     # ----------------------------------------------------------------- metrics
-    def log_metric(self, name: str, value: float) -> None:
-        """Log a scalar under ``trl_credit/<plugin>/<name>`` (averaged over the logging window)."""
-        self.log_metric_as(self.current_plugin, name, value)
+    def log_metric(self, name: str, value: float, *, plugin: Any) -> None:
+        """Log a scalar under ``trl_credit/<plugin>/<name>`` (averaged over the logging window).
 
-    def log_metric_as(self, owner: str, name: str, value: float) -> None:
+        ``plugin``: the plugin instance (or its key as a string); ``Plugin.log_metric(batch, name,
+        value)`` passes itself. The key is the one the host registered it under (``name#2`` for a
+        second copy).
+        """
+        owner = plugin if isinstance(plugin, str) else getattr(plugin, "trl_credit_key", None)
+        if owner is None:
+            raise ValueError(f"log_metric: {type(plugin).__name__} is not an enabled plugin (no key)")
         self.root.metrics[f"{owner}/{name}"].append(float(value))
 
     # ----------------------------------------------------------------- scorers
@@ -171,8 +175,9 @@ class RolloutBatch:
         if kind not in root.token_cache:
             if root.scorer is None:
                 raise RuntimeError(
-                    f"{self.current_plugin}: {kind} were asked for but this batch has no model to score "
-                    f"with; in tests pass `{kind.split('_', 1)[1]}=` to trl_credit.testing.make_batch"
+                    f"{kind} were asked for but this batch has no model to score with; in tests pass "
+                    f"`{ {'policy_logps': 'logps', 'policy_entropies': 'entropies'}.get(kind, kind)}=` to "
+                    "trl_credit.testing.make_batch"
                 )
             root.token_cache[kind] = root.scorer.token_scores(kind)
         if self._rows is None:
@@ -225,7 +230,8 @@ class RolloutBatch:
         missing = [(p, c) for p, c in zip(prefixes, continuations) if (model, p, c) not in cache]
         if missing:
             if root.scorer is None:
-                raise RuntimeError(f"{self.current_plugin}: continuation scoring needs a model")
+                raise RuntimeError("continuation scoring needs a model; in tests pass `continuation_fn=` to "
+                                   "trl_credit.testing.make_batch")
             unique = list(dict.fromkeys(missing))
             scores = root.scorer.continuation_logps([p for p, _ in unique], [c for _, c in unique], model)
             cache.update({(model, p, c): s for (p, c), s in zip(unique, scores)})
@@ -261,13 +267,47 @@ class RolloutBatch:
             args=self.args,
             tokenizer=self.tokenizer,
             kept=self.kept[rows],
-            current_plugin=self.current_plugin,
         )
         view._rows = base_rows
         view._root = self.root
         for name in RolloutBatch._LAZY:
             del view.__dict__[name]
         return view
+
+
+    @classmethod
+    def concat(cls, parts: Sequence[RolloutBatch], completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+               scorer: Scorer | None = None) -> RolloutBatch:
+        """One batch of the rows of ``parts`` (whole groups, in order), e.g. refill's kept groups.
+
+        ``completion_ids``/``completion_mask`` are the combined ``(N, T)`` tensors (the parts may have
+        different widths); token scores every part has cached are carried over, padded to ``T``.
+        """
+        first = parts[0]
+        width = completion_ids.shape[1]
+        combined = cls(
+            prompts=[p for part in parts for p in part.prompts],
+            completions=[c for part in parts for c in part.completions],
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            rewards=torch.cat([part.rewards for part in parts]),
+            reward_names=list(first.reward_names),
+            reward_weights=first.reward_weights,
+            num_generations=first.num_generations,
+            columns={k: [v for part in parts for v in part.columns[k]] for k in first.columns},
+            prompt_index=torch.cat([part.prompt_index for part in parts]),
+            step=first.step,
+            args=first.args,
+            tokenizer=first.tokenizer,
+            kept=torch.cat([part.kept for part in parts]),
+            scorer=scorer,
+        )
+        for kind in ("policy_logps", "policy_entropies", "ref_logps"):
+            if all(kind in part.root.token_cache for part in parts):
+                scores = [part._token_scores(kind) for part in parts]
+                combined.token_cache[kind] = torch.cat(
+                    [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in scores])
+        return combined
 
 
 @dataclass

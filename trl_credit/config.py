@@ -13,19 +13,31 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = ["ConfigError", "EnabledPlugin", "PluginSet", "build_plugins", "check_run", "instantiate",
+           "option_names", "plugin_name"]
+
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trl_credit import hookspecs
+from trl_credit.plugin import Members, PluginInfo, RunInfo, members, near_misses
 from trl_credit.plugins import Available, available, implemented_hooks, new_manager
 
 
 class ConfigError(ValueError):
     """One or more configuration problems, each a line."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(f"- {p}" for p in self.problems))
+
+    @classmethod
+    def for_key(cls, key: str, problem: str, fix: str) -> ConfigError:
+        """The error a plugin's ``check_args`` raises: the config key at fault, what is wrong, how to fix it.
+
+        The host prefixes the plugin: ``plugins[0] (drpo): loss_type: ... ; fix: set `loss_type: grpo```.
+        """
+        return cls([f"{key}: {problem}; fix: {fix}"])
 
 
 class EmptyConfig(BaseModel):
@@ -42,6 +54,7 @@ class EnabledPlugin:
     instance: Any
     hooks: list[str]
     info: Available | None = None
+    members: Members = field(default_factory=lambda: Members((), (), (), None, False))
 
     @property
     def config(self) -> BaseModel:
@@ -57,6 +70,9 @@ class PluginSet:
 
     def with_hook(self, hook: str) -> list[EnabledPlugin]:
         return [p for p in self.plugins if hook in p.hooks]
+
+    def infos(self) -> tuple[PluginInfo, ...]:
+        return tuple(PluginInfo(p.index, p.key, tuple(p.hooks), p.members.refill) for p in self.plugins)
 
     @property
     def names(self) -> list[str]:
@@ -110,13 +126,22 @@ def unknown_plugin_message(index: int, name: str, installed: dict[str, Available
     )
 
 
-def _option_errors(index: int, name: str, error: ValidationError) -> list[str]:
+def option_names(config_cls: type[BaseModel]) -> dict[str, str]:
+    """``{YAML key: field name}``: a field with an alias (``lambda_`` for ``lambda``) goes by its alias."""
+    return {(f.alias or n): n for n, f in config_cls.model_fields.items()}
+
+
+def _option_errors(index: int, name: str, error: ValidationError, config_cls: type[BaseModel]) -> list[str]:
     out = []
+    keys = sorted(option_names(config_cls))
     for e in error.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<options>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown option; see `trl-credit plugins show " + name + "` for the options"
+            close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            msg = (f"unknown option; {hint}options: {', '.join(keys) or 'none'} "
+                   f"(`trl-credit plugins show {name}` describes them)")
         out.append(f"plugins[{index}] ({name}): option '{key}': {msg}")
     return out
 
@@ -151,6 +176,10 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
                     f"{info.distribution or 'unknown distribution'} failed:\n{traceback.format_exc()}"
                 )
                 continue
+        misses = near_misses(cls)
+        if misses:
+            problems += [f"plugins[{index}] ({name}): {m}" for m in misses]
+            continue
         instance, errs = instantiate(cls, options, index, name)
         problems += errs
         if instance is None:
@@ -169,7 +198,12 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
             if manager.is_registered(instance):
                 manager.unregister(instance)
             continue
-        hooks, errs = active_hooks(instance, hooks, index, name)
+        try:
+            declared = members(instance)
+        except Exception as exc:  # a member that raises or returns the wrong type
+            problems.append(f"plugins[{index}] ({name}): {type(exc).__name__}: {exc}")
+            continue
+        hooks, errs = active_hooks(instance, hooks, index, name, declared)
         if errs:
             problems += errs
             continue
@@ -178,7 +212,11 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
                 f"plugins[{index}] ({name}): {cls.__name__} implements no hook; mark methods with "
                 "`@trl_credit.hookimpl` (see `trl-credit plugins show`)"
             )
-        enabled.append(EnabledPlugin(index, name, key, instance, hooks, info))
+        if declared.refill is not None and "filter_rollouts" not in hooks:
+            problems.append(f"plugins[{index}] ({name}): refill() asks for refill, but the plugin has no "
+                            "active filter_rollouts hook; refill replaces the groups a filter drops")
+        instance.trl_credit_key = key  # the owner of the metrics it logs (`RolloutBatch.log_metric`)
+        enabled.append(EnabledPlugin(index, name, key, instance, hooks, info, declared))
     estimators = [p for p in enabled if "compute_advantages" in p.hooks]
     if len(estimators) > 1:
         listed = ", ".join(f"plugins[{p.index}] ({p.name})" for p in estimators)
@@ -198,12 +236,12 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     return PluginSet(enabled, manager)
 
 
-def active_hooks(instance: Any, hooks: list[str], index: int = 0, name: str = "?") -> tuple[list[str], list[str]]:
-    """``hooks`` minus those the plugin's options switch off (its optional ``disabled_hooks()``), and problems."""
-    off = getattr(instance, "disabled_hooks", None)
-    if not callable(off):
+def active_hooks(instance: Any, hooks: list[str], index: int = 0, name: str = "?",
+                 declared: Members | None = None) -> tuple[list[str], list[str]]:
+    """``hooks`` minus those the plugin's options switch off (its ``disabled_hooks()``), and problems."""
+    off = set((declared or members(instance)).disabled_hooks)
+    if not off:
         return hooks, []
-    off = set(off() or ())
     problems = []
     unknown = sorted(off - set(hooks))
     if unknown:
@@ -245,29 +283,33 @@ def instantiate(cls: type, options: dict[str, Any], index: int = 0, name: str = 
     try:
         config = config_cls(**options)
     except ValidationError as exc:
-        return None, _option_errors(index, name, exc)
+        return None, _option_errors(index, name, exc, config_cls)
     try:
         return cls(config), []
     except Exception:
         return None, [f"plugins[{index}] ({name}): creating the plugin failed:\n{traceback.format_exc()}"]
 
 
-def _missing(plugins: PluginSet, method: str, present: list[str], describe) -> None:
-    """Raise `ConfigError` for every name a plugin's ``method()`` needs that is not in ``present``."""
-    problems = []
-    for p in plugins.plugins:
-        fn = getattr(p.instance, method, None)
-        problems += [f"plugins[{p.index}] ({p.name}): {describe(name)}" for name in (fn() if fn else [])
-                     if name not in present]
+def _missing(plugins: PluginSet, member: str, present: list[str], describe) -> list[str]:
+    """A problem for every name a plugin's ``member()`` needs that is not in ``present``."""
+    return [f"plugins[{p.index}] ({p.name}): {describe(name)}" for p in plugins.plugins
+            for name in getattr(p.members, member) if name not in present]
+
+
+def _raise(problems: list[str]) -> None:
     if problems:
         raise ConfigError(problems)
 
 
 def check_columns(plugins: PluginSet, columns: list[str]) -> None:
     """Raise `ConfigError` when a plugin needs (``required_columns()``) a dataset column the training set lacks."""
-    _missing(plugins, "required_columns", columns,
-             lambda col: f"needs dataset column '{col}', which the training dataset lacks (columns: "
-                         f"{', '.join(columns)}); add it or set the plugin's column option")
+    _raise(_column_problems(plugins, columns))
+
+
+def _column_problems(plugins: PluginSet, columns: list[str]) -> list[str]:
+    return _missing(plugins, "required_columns", columns,
+                    lambda col: f"needs dataset column '{col}', which the training dataset lacks (columns: "
+                                f"{', '.join(columns)}); add it or set the plugin's column option")
 
 
 def reward_names(reward_funcs: list) -> list[str]:
@@ -297,6 +339,43 @@ def plugin_name(cls: type) -> str:
 
 def check_reward_columns(plugins: PluginSet, reward_names: list[str]) -> None:
     """Raise `ConfigError` when a plugin needs (``required_rewards()``) a reward column no reward function produces."""
-    _missing(plugins, "required_rewards", reward_names,
-             lambda col: f"needs reward column '{col}', but the reward functions are {reward_names}; add it "
-                         "to reward_funcs or point the plugin's option at one of these")
+    _raise(_reward_problems(plugins, reward_names))
+
+
+def _reward_problems(plugins: PluginSet, reward_names: list[str]) -> list[str]:
+    return _missing(plugins, "required_rewards", reward_names,
+                    lambda col: f"needs reward column '{col}', but the reward functions are {reward_names}; add "
+                                "it to reward_funcs or point the plugin's option at one of these")
+
+
+def check_run(plugins: PluginSet, args: Any, reward_names: list[str] | None, columns: list[str] | None,
+              peft: bool) -> RunInfo:
+    """Every check a run needs before its model loads; raises one `ConfigError` listing all problems.
+
+    Reward columns (``required_rewards``), dataset columns (``required_columns``, when ``columns``
+    is known), the KL reference a ``kl_coefficient`` plugin needs, and each plugin's ``check_args``
+    on the resolved run. `trl-credit validate` and `CreditGRPOTrainer.__init__` both call it.
+    """
+    run = RunInfo(args=args, reward_names=tuple(reward_names or ()),
+                  columns=tuple(columns) if columns is not None else None, peft=peft, plugins=plugins.infos())
+    problems: list[str] = []
+    if reward_names is not None:
+        problems += _reward_problems(plugins, list(reward_names))
+    if columns is not None:
+        problems += _column_problems(plugins, list(columns))
+    try:
+        check_reference(plugins, getattr(args, "beta", 0.0), peft)
+    except ConfigError as exc:
+        problems += exc.problems
+    for p in plugins.plugins:
+        check = getattr(p.instance, "check_args", None)
+        if not callable(check):
+            continue
+        try:
+            check(run)
+        except ConfigError as exc:
+            problems += [f"plugins[{p.index}] ({p.name}): {problem}" for problem in exc.problems]
+        except Exception:
+            problems.append(f"plugins[{p.index}] ({p.name}): check_args raised:\n{traceback.format_exc()}")
+    _raise(problems)
+    return run

@@ -2,9 +2,8 @@
 
 A plugin is a class with a pydantic ``Config`` and methods marked ``@hookimpl`` whose names and
 argument names are those below (pluggy checks both when the plugin is registered). A method may take
-fewer arguments than the spec lists; it may not take others. Optional methods, called before any
-model loads: ``required_rewards()`` and ``required_columns()`` (names the run must provide) and
-``disabled_hooks()`` (hooks its options switch off; the host then treats them as absent).
+fewer arguments than the spec lists; it may not take others. Its other members (``check_args``,
+``refill``, ``state_dict`` ...) are declared by `trl_credit.Plugin` (`trl_credit.plugin`).
 
 Shapes: ``N`` = completions in the batch (all processes, whole groups), ``G`` = completions per prompt
 (``num_generations``), ``N // G`` groups, ``K`` = reward columns, ``T`` = padded completion length.
@@ -22,7 +21,7 @@ Per step the host runs, for each generation round:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -60,10 +59,10 @@ def filter_rollouts(batch: RolloutBatch) -> torch.Tensor | None:
         ``None`` to keep everything. A dropped completion gets advantage 0, is masked out of the
         loss and does not count in its normaliser, so kept completions are not diluted. If every
         completion is dropped the optimiser step is skipped and logged (``trl_credit/skipped_update``).
-    Refill: a plugin whose ``Config`` has ``refill: true`` asks the host to draw more prompts (up
-    to ``max_refill_rounds`` extra rounds) until the batch holds as many kept groups as it had
-    groups (DAPO dynamic sampling). Filters run before the advantage estimator, which then sees
-    only the kept groups.
+    Refill: a plugin whose ``refill()`` returns a `trl_credit.Refill` asks the host to draw more
+    prompts (at most ``max_rounds`` extra rounds, and no new round once ``max_tokens`` extra tokens
+    were generated) until the batch holds as many kept groups as it had groups (DAPO dynamic
+    sampling). Called once per generation round, on every rank, after ``shape_rewards``.
     """
 
 
@@ -75,9 +74,14 @@ def compute_advantages(batch: RolloutBatch) -> torch.Tensor:
     ``multi_objective_aggregation``, NaN rows -> 0) and is used when no enabled plugin
     implements this hook; two enabled estimators are a configuration error.
 
-    :param batch: the kept groups only, rewards shaped.
+    :param batch: every group with at least one kept completion, whole (groups whose completions
+        were all dropped are left out), rewards shaped. ``batch.kept`` is the filters' verdict per
+        completion and may be partly False inside a group: a dropped completion still counts in its
+        group's baseline (as TRL counts truncated completions) and gets advantage 0 afterwards,
+        whatever the estimator returns for it.
     :return: float ``(N,)`` sequence advantages or ``(N, T)`` per-token advantages (``T`` =
         ``batch.completion_ids.shape[1]``), finite everywhere.
+    Called once per optimiser batch (after refill), on every rank.
     """
 
 
@@ -85,9 +89,11 @@ def compute_advantages(batch: RolloutBatch) -> torch.Tensor:
 def transform_advantages(batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor | None:
     """Post-process advantages (token-level credit, clipping, re-weighting).  Chained, in config order.
 
+    :param batch: the same groups the estimator saw (see ``compute_advantages``).
     :param advantages: ``(N,)`` or ``(N, T)`` output of the estimator or of the previous transform.
     :return: ``(N,)`` or ``(N, T)`` finite tensor (a transform may turn ``(N,)`` into ``(N, T)``),
         or ``None`` for no change. Values at padded positions are ignored by the loss.
+    Called once per optimiser batch, on every rank, after ``compute_advantages``.
     """
 
 
@@ -123,19 +129,32 @@ def prompt_weights(stats: PromptStats, step: int) -> torch.Tensor | None:
 
 @hookspec
 def on_train_begin(trainer: Any) -> None:
-    """Called once when training starts, on every rank, after the model is wrapped."""
+    """Called once when training starts, on every rank, after the model is wrapped.
+
+    :param trainer: the `CreditGRPOTrainer`. Checks of settings belong in ``check_args``, which
+        runs before the model loads.
+    """
 
 
 @hookspec
 def on_batch_end(batch: RolloutBatch, advantages: torch.Tensor) -> None:
-    """Observe a finished batch (final advantages, keep mask, rewards); for statistics and schedules."""
+    """Observe a finished batch; for statistics and schedules.
+
+    :param batch: the final batch (after refill; ``batch.kept`` is the verdict).
+    :param advantages: ``(N,)`` or ``(N, T)`` final advantages (0 for dropped completions).
+    Called once per optimiser batch, on every rank, after ``kl_coefficient``.
+    """
 
 
 @hookspec
 def on_step_end(trainer: Any, step: int, logs: dict[str, float]) -> None:
     """Called after every optimiser step with the global step and the metrics logged so far.
 
+    :param trainer: the `CreditGRPOTrainer`.
+    :param step: the global optimiser step just finished.
+    :param logs: this logging window's metrics so far (name -> mean).
     Use it for schedules and annealing (change your own config or ``trainer.args`` fields).
+    Called on every rank.
     """
 
 
@@ -151,17 +170,3 @@ HOOKS = (
     "on_batch_end",
     "on_step_end",
 )
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Optional protocol for plugins with state that must survive checkpoint and resume.
-
-    The host calls ``state_dict()`` when it saves a checkpoint (the result is pickled with
-    ``torch.save`` into ``trl_credit_state.pt`` next to the trainer state, under the plugin's
-    unique key) and ``load_state_dict(state)`` when training resumes from that checkpoint.
-    """
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -41,8 +41,11 @@ class Pipeline:
             self.estimator = EnabledPlugin(-1, "grpo", "grpo", default, ["compute_advantages"])
             self._impls[("grpo", "compute_advantages")] = (default.compute_advantages, ("batch",))
         self.seconds: dict[str, float] = defaultdict(float)  # per plugin, since the last log
-        refill = [p for p in plugins.with_hook("filter_rollouts") if getattr(p.config, "refill", False)]
-        self.max_refill_rounds = max((int(getattr(p.config, "max_refill_rounds", 0)) for p in refill), default=0)
+        # refill: as many extra rounds as the most generous filter asks for, within the tightest token budget
+        refills = [p.members.refill for p in plugins.with_hook("filter_rollouts") if p.members.refill is not None]
+        self.max_refill_rounds = max((r.max_rounds for r in refills), default=0)
+        budgets = [r.max_tokens for r in refills if r.max_tokens is not None]
+        self.max_refill_tokens: int | None = min(budgets) if budgets else None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -56,9 +59,6 @@ class Pipeline:
     # ---------------------------------------------------------------- calling
     def _call(self, plugin: EnabledPlugin, hook: str, at_step: int, **kwargs: Any) -> Any:
         function, argnames = self._impls[(plugin.key, hook)]
-        batch = kwargs.get("batch")
-        if batch is not None:
-            batch.current_plugin = plugin.key
         start = time.perf_counter()
         try:
             return function(**{k: kwargs[k] for k in argnames})
@@ -70,8 +70,6 @@ class Pipeline:
             ) from exc
         finally:
             self.seconds[plugin.key] += time.perf_counter() - start
-            if batch is not None:
-                batch.current_plugin = "host"
 
     def _fail(self, plugin: EnabledPlugin, hook: str, step: int, what: str) -> None:
         raise PluginRuntimeError(f"plugin '{plugin.key}' returned {what} from {hook} at step {step}")
@@ -142,7 +140,7 @@ class Pipeline:
             elif tuple(out.shape) != (batch.num_completions,):
                 self._fail(plugin, "filter_rollouts", batch.step, f"mask of shape {tuple(out.shape)}, expected "
                            f"({batch.num_completions},) or ({batch.num_groups},)")
-            batch.log_metric_as(plugin.key, "kept_fraction", out.float().mean().item())
+            batch.log_metric("kept_fraction", out.float().mean().item(), plugin=plugin.key)
             keep &= out
         batch.kept = keep
         return keep
@@ -202,8 +200,8 @@ class Pipeline:
             raise PluginRuntimeError(f"prompt curricula ({names}) gave every prompt weight 0 at step {step}")
         return weights / total
 
-    def broadcast(self, hook: str, at_step: int, **kwargs: Any) -> None:
-        """Observers: every plugin implementing ``hook``, in config order."""
+    def notify(self, hook: str, at_step: int, **kwargs: Any) -> None:
+        """Call the observers of ``hook`` (``on_train_begin``, ``on_batch_end``, ``on_step_end``) in config order."""
         for plugin in self.plugins.with_hook(hook):
             self._call(plugin, hook, at_step, **kwargs)
 
@@ -213,13 +211,26 @@ class Pipeline:
         self.seconds.clear()
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {p.key: p.instance.state_dict() for p in self.plugins.plugins if hasattr(p.instance, "state_dict")}
+    def stateful(self) -> list[EnabledPlugin]:
+        return [p for p in self.plugins.plugins if p.members.stateful]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for p in self.plugins.plugins:
-            if p.key in state and hasattr(p.instance, "load_state_dict"):
+    def state_dict(self) -> dict[str, Any]:
+        """``{plugin key: state}`` of every stateful plugin (a ``state_dict()`` of None saves nothing)."""
+        out = {}
+        for p in self.stateful():
+            state = p.instance.state_dict()
+            if state is not None:
+                out[p.key] = state
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Restore every stateful plugin found in ``state``; returns the keys restored."""
+        restored = []
+        for p in self.stateful():
+            if p.key in state:
                 p.instance.load_state_dict(state[p.key])
+                restored.append(p.key)
+        return restored
 
 
 def kept_advantages(pipeline: Pipeline, batch: RolloutBatch) -> torch.Tensor:

