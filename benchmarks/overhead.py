@@ -350,9 +350,9 @@ def _plugins():
         def on_batch_end(self, batch, advantages):
             lo, hi = torch.aminmax(advantages)  # no (N, T) temporaries
             per_seq = advantages.sum(1) / batch.completion_lengths.clamp(min=1) if advantages.dim() == 2 else advantages
-            batch.log_metric("max_abs_advantage", max(-lo.item(), hi.item()))
-            batch.log_metric("mean_abs_seq_advantage", per_seq.abs().mean().item())
-            batch.log_metric("kept", batch.kept.float().mean().item())
+            batch.log_metric("max_abs_advantage", max(-lo.item(), hi.item()), plugin=self)
+            batch.log_metric("mean_abs_seq_advantage", per_seq.abs().mean().item(), plugin=self)
+            batch.log_metric("kept", batch.kept.float().mean().item(), plugin=self)
 
         @hookimpl
         def on_step_end(self, trainer, step, logs):
@@ -491,7 +491,7 @@ def hook_costs_at(n: int, t: int, g: int, num_prompts: int, calls: int, seed: in
         full = torch.zeros(n, t) if adv.dim() == 2 else torch.zeros(n)
         full[rows] = adv
         p.kl_coefficient(batch)
-        p.broadcast("on_batch_end", batch.step, batch=batch, advantages=full)
+        p.notify("on_batch_end", batch.step, batch=batch, advantages=full)
         stats.update(batch.prompt_index, batch.total_reward(), batch.step)
 
     def scatter() -> None:  # trainer._finish: advantages of the kept rows into the full (N, T) tensor
@@ -508,9 +508,9 @@ def hook_costs_at(n: int, t: int, g: int, num_prompts: int, calls: int, seed: in
         "transform_advantages": (single["transform"], lambda: single["transform"].transform_advantages(view, seq_adv)),
         "kl_coefficient": (single["kl"], lambda: single["kl"].kl_coefficient(batch)),
         "prompt_weights": (single["curriculum"], lambda: single["curriculum"].prompt_weights(stats, 5)),
-        "on_batch_end": (single["observer"], lambda: single["observer"].broadcast(
+        "on_batch_end": (single["observer"], lambda: single["observer"].notify(
             "on_batch_end", 0, batch=batch, advantages=tok_adv)),
-        "on_step_end": (single["observer"], lambda: single["observer"].broadcast(
+        "on_step_end": (single["observer"], lambda: single["observer"].notify(
             "on_step_end", 5, trainer=None, step=5, logs={"loss": 0.1})),
         "host:select": (None, lambda: batch.select(kept_rows)),
         "host:view_scores": (None, view_scores),
@@ -691,7 +691,7 @@ def installed_plugin_costs(args: argparse.Namespace) -> dict[str, Any]:
             pipeline.filter_rollouts(batch)
             advantages = kept_advantages(pipeline, batch)
             pipeline.kl_coefficient(batch)
-            pipeline.broadcast("on_batch_end", batch.step, batch=batch, advantages=advantages)
+            pipeline.notify("on_batch_end", batch.step, batch=batch, advantages=advantages)
             pipeline.prompt_weights(stats, batch.step)
 
         plugin_ms: list[float] = []

@@ -63,9 +63,16 @@ class DropConstant:
         model_config = ConfigDict(extra="forbid")
         refill: bool = Field(True, description="top up")
         max_refill_rounds: int = Field(3, description="bound")
+        max_refill_tokens: int | None = Field(None, description="token budget")
 
     def __init__(self, config):
         self.config = config
+
+    def refill(self):
+        from trl_credit import Refill
+
+        c = self.config
+        return Refill(c.max_refill_rounds, c.max_refill_tokens) if c.refill else None
 
     @hookimpl
     def filter_rollouts(self, batch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,7 @@ def test_new_plugin_skeleton_installs_and_its_tests_pass(tmp_path, capsys):
     code, out, _ = run(capsys, "new-plugin", "shiny_method", "--dir", str(tmp_path))
     package = tmp_path / "trl-credit-shiny-method"
     assert code == 0 and package.is_dir()
+    assert 'dependencies = ["trl-credit>=0.2,<0.3"]' in (package / "pyproject.toml").read_text()
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(package)]
     subprocess.run(pip, check=True, capture_output=True)
     try:
@@ -91,12 +93,32 @@ def test_new_plugin_skeleton_installs_and_its_tests_pass(tmp_path, capsys):
         tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],
                                capture_output=True, text=True, cwd=tmp_path)
         assert tests.returncode == 0, tests.stdout + tests.stderr
-        assert "4 passed" in tests.stdout
+        assert "3 passed" in tests.stdout
     finally:
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "trl-credit-shiny-method"],
                        capture_output=True)
     with pytest.raises(FileExistsError):
         cli.main(["new-plugin", "shiny_method", "--dir", str(tmp_path)])
+
+
+def test_new_plugin_for_every_hook_writes_tests_that_assert_values_and_pass(tmp_path, capsys):
+    from trl_credit.app.new_plugin import HOOK_CHOICES
+
+    paths = []
+    for hook in HOOK_CHOICES:
+        code, _, _ = run(capsys, "new-plugin", f"my_{hook}", "--hook", hook, "--dir", str(tmp_path))
+        assert code == 0
+        package = tmp_path / f"trl-credit-my-{hook.replace('_', '-')}"
+        module = (package / "src" / f"trl_credit_my_{hook}" / "__init__.py").read_text()
+        assert f"def {hook}(self" in module and "@hookimpl" in module
+        test = (package / "tests" / f"test_my_{hook}.py").read_text()
+        assert "assert" in test.split("def test_formula_vector")[1].split("def ")[0]
+        paths.append(package)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p / "src") for p in paths)}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *(str(p / "tests") for p in paths)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert f"{3 * len(HOOK_CHOICES)} passed" in tests.stdout
 
 
 def test_install_prefers_the_monorepo_package(monkeypatch, capsys):
@@ -105,5 +127,31 @@ def test_install_prefers_the_monorepo_package(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     assert cli.main(["install", "dynamic_sampling"]) == 0
     assert calls[-1][-2:] == ["-e", str(ROOT / "plugins" / "trl-credit-dynamic-sampling")]
+
+
+def test_install_looks_a_name_up_on_the_index_before_pip_installs(monkeypatch, capsys):
+    calls, looked_up = [], []
+
+    def fake_run(cmd, **kwargs):
+        looked_up.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0 if cmd[-1] == "trl-credit-some-method" else 1, "", "")
+
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    monkeypatch.chdir(ROOT)
     assert cli.main(["install", "some_method"]) == 0
+    assert looked_up[-1][-3:] == ["index", "versions", "trl-credit-some-method"]
     assert calls[-1][-1] == "trl-credit-some-method"
+    calls.clear()
+    assert cli.main(["install", "dynamic_samplin"]) == 2  # not on the index: pip install never runs
+    assert not calls and "Did you mean 'dynamic_sampling'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../etc", "./plugins/trl-credit-gdpo", "gdpo==0.1", "gdpo>=1", "git+https://x/y",
+                                  "a b", "-e", "--index-url=http://x", "gdpo[extra]", "", "/tmp/x"])
+def test_install_refuses_anything_but_a_plugin_name(monkeypatch, capsys, name):
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    assert cli.main(["install", "--", name]) == 2  # "--": argparse passes even "-e" through as the name
+    assert not calls and "not a plugin name" in capsys.readouterr().err

@@ -136,7 +136,7 @@ def test_refill_tops_up_kept_groups_and_logs_rounds(make_trainer, arithmetic):
         @hookimpl
         def on_batch_end(self, batch, advantages):
             seen.append((batch.rewards.clone(), batch.kept.clone(), advantages.clone(), batch.prompt_index.clone()))
-            batch.log_metric("kept_rows", float(batch.kept.sum()))  # logged on the assembled batch after refill
+            batch.log_metric("kept_rows", float(batch.kept.sum()), plugin=self)  # logged on the assembled batch after refill
 
     trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 6}, Record],
                            reward_funcs=[prompt_gated_reward], max_steps=3)

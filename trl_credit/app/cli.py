@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="include the built-in plugins")
 
+    from trl_credit.app.new_plugin import HOOK_CHOICES
+
     p = sub.add_parser("new-plugin", help="write a plugin package skeleton whose tests pass")
     p.add_argument("name", help="YAML handle, e.g. my_method")
+    p.add_argument("--hook", default="compute_advantages", choices=HOOK_CHOICES,
+                   help="the hook the skeleton implements (default: compute_advantages)")
     p.add_argument("--dir", default=None, help="parent folder (default: ./plugins if it exists, else .)")
 
     p = sub.add_parser("install", help="install a plugin: the monorepo's plugins/trl-credit-NAME, else PyPI")
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             from trl_credit.app.new_plugin import new_plugin
 
             target = Path(args.dir) if args.dir else (Path("plugins") if Path("plugins").is_dir() else Path("."))
-            path = new_plugin(args.name, target)
+            path = new_plugin(args.name, target, hook=args.hook)
             print(f"created {path}\nnext: pip install -e {path} && pytest {path}/tests")
         elif args.command == "install":
             return _install(args.name)
@@ -120,9 +125,10 @@ def _describe(info, with_config: bool = True) -> dict:
     entry["hooks"] = implemented_hooks(cls)
     entry["summary"] = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
     if with_config and getattr(cls, "Config", None) is not None:
-        entry["config"] = {
-            name: {"type": _type_name(f.annotation), "default": None if f.is_required() else f.get_default(),
-                   "description": f.description or ""}
+        entry["config"] = {  # under the key the YAML takes (an alias such as `lambda` for `lambda_`)
+            (f.alias or name): {"type": _type_name(f.annotation),
+                                "default": None if f.is_required() else f.get_default(call_default_factory=True),
+                                "description": f.description or ""}
             for name, f in cls.Config.model_fields.items()
         }
     return entry
@@ -171,14 +177,34 @@ def _plugins(args) -> int:
     return 0
 
 
+PLUGIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
 def _install(name: str) -> int:
-    dist = "trl-credit-" + name.replace("_", "-")
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        candidate = root / "plugins" / dist
-        if (candidate / "pyproject.toml").exists():
-            cmd = [sys.executable, "-m", "pip", "install", "-e", str(candidate)]
-            break
+    """Install plugin ``name``: ``plugins/trl-credit-NAME`` of this repository, else ``trl-credit-NAME`` from
+    the package index once it is found there. Only plugin names reach pip: no paths, versions or URLs."""
+    if not PLUGIN_NAME.fullmatch(name):
+        print(f"trl-credit install: {name!r} is not a plugin name (letters, digits, '-' and '_' only; "
+              "no paths, versions or URLs)", file=sys.stderr)
+        return 2
+    dist = "trl-credit-" + name.replace("_", "-").lower()
+    local = {}
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "plugins").is_dir():
+            local.update({p.name: p for p in (root / "plugins").iterdir() if (p / "pyproject.toml").exists()})
+    if dist in local:
+        cmd = [sys.executable, "-m", "pip", "install", "-e", str(local[dist])]
     else:
+        found = subprocess.run([sys.executable, "-m", "pip", "index", "versions", dist], capture_output=True,
+                               text=True)
+        if found.returncode != 0:
+            import difflib
+
+            close = difflib.get_close_matches(dist, list(local), n=1)
+            hint = f" Did you mean '{close[0].removeprefix('trl-credit-').replace('-', '_')}'?" if close else ""
+            print(f"trl-credit install: no plugin {name!r}: {dist} is neither in this repository's plugins/ nor "
+                  f"on the package index.{hint}", file=sys.stderr)
+            return 2
         cmd = [sys.executable, "-m", "pip", "install", dist]
     print("+ " + " ".join(cmd))
     return subprocess.call(cmd, env={**os.environ})

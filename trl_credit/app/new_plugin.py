@@ -15,7 +15,7 @@ version = "0.1.0"
 description = "{title}: a trl-credit plugin"
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["trl-credit"]
+dependencies = ["{host_requirement}"]
 
 [project.entry-points.trl_credit]
 {name} = "trl_credit_{module}:{cls}"
@@ -30,62 +30,139 @@ Method: one paragraph on what the method changes in GRPO and why.
 
 Formula (paper notation)::
 
-    A_i = (r_i - mean_g r) * scale
+    {formula}
 
 Source: <paper, arXiv id>; <official code path@commit> or "reconstructed from the abstract".
-Defaults: ``scale`` = 1.0 (<where the default comes from>).
+Defaults: ``{option}`` = {default} (<where the default comes from>).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 
-class {cls}:
-    """{title}: scale the group-centred reward (replace with your method's one-line summary)."""
+class {cls}(Plugin):
+    """{title}: {summary} (replace with your method's one-line summary)."""
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        scale: float = Field(1.0, gt=0, description="multiplier on the centred reward")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        {option}: float = Field({default}, {bound}, description="{option_help}")
 
     @hookimpl
-    def compute_advantages(self, batch):
+{body}'''
+
+#: per hook: (formula, summary, option, default, pydantic bound, option help, hook body, test of values)
+HOOK_TEMPLATES = {
+    "shape_rewards": (
+        "r'_ik = scale * r_ik", "scale every reward column", "scale", "2.0", "gt=0", "multiplier on the rewards",
+        '''    def shape_rewards(self, batch):
+        self.log_metric(batch, "scale", self.config.scale)
+        return batch.rewards * self.config.scale
+''',
+        '''def test_formula_vector():
+    result = run_plugin({cls}, make_batch([1, 0, 0.5, 0], num_generations=2), {{"scale": 2.0}})
+    torch.testing.assert_close(result.rewards, torch.tensor([[2.0], [0.0], [1.0], [0.0]]))
+    assert result.metrics["{name}/scale"] == 2.0
+'''),
+    "filter_rollouts": (
+        "keep group g  <=>  mean_g r >= low", "drop groups whose mean reward is below low", "low", "0.25",
+        "ge=0", "smallest group mean reward kept",
+        '''    def filter_rollouts(self, batch):
+        import torch
+
+        mean = batch.grouped(torch.nan_to_num(batch.total_reward(), nan=0.0)).mean(dim=1)
+        return mean >= self.config.low
+''',
+        '''def test_formula_vector():
+    result = run_plugin({cls}, make_batch([1, 0, 0, 0, 0, 0, 0, 0], num_generations=4), {{"low": 0.25}})
+    assert result.keep.tolist() == [True] * 4 + [False] * 4
+    assert torch.all(result.advantages[4:] == 0)
+'''),
+    "compute_advantages": (
+        "A_i = (r_i - mean_g r) * scale", "scale the group-centred reward", "scale", "1.0", "gt=0",
+        "multiplier on the centred reward",
+        '''    def compute_advantages(self, batch):
         import torch
 
         rewards = batch.grouped(torch.nan_to_num(batch.total_reward(), nan=0.0))
         centred = rewards - rewards.mean(dim=1, keepdim=True)
-        batch.log_metric("scale", self.config.scale)
+        self.log_metric(batch, "scale", self.config.scale)
         return (centred * self.config.scale).reshape(-1)
-'''
-
-TEST = '''import pytest
-import torch
-
-from trl_credit.testing import check_plugin, make_batch, run_plugin
-from trl_credit_{module} import {cls}
-
-
-def test_formula_vector():
+''',
+        '''def test_formula_vector():
     batch = make_batch([1, 0, 0, 0, 1, 1, 0, 0], num_generations=4)
     result = run_plugin({cls}, batch, {{"scale": 2.0}})
     expected = torch.tensor([1.5, -0.5, -0.5, -0.5, 1.0, 1.0, -1.0, -1.0])
     torch.testing.assert_close(result.advantages, expected)
     assert result.metrics["{name}/scale"] == 2.0
+'''),
+    "transform_advantages": (
+        "A'_i = min(A_i, ceiling)", "cap the advantages from above", "ceiling", "0.0", "ge=-100",
+        "upper bound on the advantages",
+        '''    def transform_advantages(self, batch, advantages):
+        return advantages.clamp(max=self.config.ceiling)
+''',
+        '''def test_formula_vector():
+    result = run_plugin({cls}, make_batch([1, 0, 0, 0], num_generations=4), {{"ceiling": 0.0}})
+    grpo = run_plugin("grpo", make_batch([1, 0, 0, 0], num_generations=4)).advantages
+    torch.testing.assert_close(result.advantages, grpo.clamp(max=0.0))
+    assert result.advantages[0] == 0 and result.advantages[1] < 0
+'''),
+    "kl_coefficient": (
+        "beta = base * (1 - mean_i r_i)", "less KL as accuracy rises", "base", "0.04", "ge=0",
+        "beta at zero accuracy",
+        '''    def kl_coefficient(self, batch):
+        import torch
+
+        accuracy = float(torch.nan_to_num(batch.total_reward(), nan=0.0).mean())
+        return self.config.base * (1.0 - accuracy)
+''',
+        '''def test_formula_vector():
+    result = run_plugin({cls}, make_batch([1, 0, 0, 0], num_generations=4), {{"base": 0.04}})
+    assert result.beta == pytest.approx(0.03)
+'''),
+    "prompt_weights": (
+        "w_x = 1 + bonus * 1[x never seen]", "favour prompts not seen yet", "bonus", "1.0", "ge=0",
+        "extra weight of an unseen prompt",
+        '''    def prompt_weights(self, stats, step):
+        return 1.0 + self.config.bonus * (stats.seen == 0).double()
+''',
+        '''def test_formula_vector():
+    from trl_credit import PromptStats
+    from trl_credit.testing import run_curriculum
+
+    stats = PromptStats.empty(3)
+    stats.update(torch.tensor([0, 0]), torch.tensor([1.0, 0.0]), step=0)
+    weights = run_curriculum({cls}, stats, {{"bonus": 1.0}})
+    torch.testing.assert_close(weights, torch.tensor([0.2, 0.4, 0.4], dtype=torch.float64))
+'''),
+    "on_batch_end": (
+        "logs mean_i |A_i| * factor", "log the mean absolute advantage", "factor", "1.0", "gt=0",
+        "multiplier on the logged value",
+        '''    def on_batch_end(self, batch, advantages):
+        self.log_metric(batch, "mean_abs_advantage", float(advantages.abs().mean()) * self.config.factor)
+''',
+        '''def test_formula_vector():
+    result = run_plugin({cls}, make_batch([1, 0], num_generations=2), {{"factor": 1.0}})
+    assert result.metrics["{name}/mean_abs_advantage"] == pytest.approx(float(result.advantages.abs().mean()))
+'''),
+}
+
+TEST = '''import pytest
+import torch
+
+from trl_credit import ConfigError
+from trl_credit.testing import check_plugin, make_batch, run_plugin
+from trl_credit_{module} import {cls}
 
 
-def test_constant_group_gets_zero():
-    result = run_plugin({cls}, make_batch([1, 1, 1, 1], num_generations=4))
-    assert torch.equal(result.advantages, torch.zeros(4))
-
+{test}
 
 def test_bad_option_is_rejected():
-    with pytest.raises(Exception, match="scale"):
-        run_plugin({cls}, make_batch([1, 0], num_generations=2), {{"scale": -1}})
+    with pytest.raises(ConfigError, match="option '{option}'"):
+        run_plugin({cls}, make_batch([1, 0], num_generations=2), {{"{option}": -1e10}})
 
 
 def test_contract():
@@ -97,24 +174,40 @@ README = '''# trl-credit-{dist}
 {title} as a [trl-credit](https://pypi.org/project/trl-credit/) plugin.
 
 - Paper: <title, arXiv id>
-- Formula: `A_i = (r_i - mean_g r) * scale` (provenance: official code path, or reconstructed from the abstract)
-- Hook: `compute_advantages`
+- Formula: `{formula}` (provenance: official code path, or reconstructed from the abstract)
+- Hook: `{hook}`
 
 | option | type | default | meaning |
 |---|---|---|---|
-| `scale` | float > 0 | 1.0 | multiplier on the centred reward |
+| `{option}` | float | {default} | {option_help} |
 
 ```yaml
 plugins:
-  - {{name: {name}, scale: 1.0}}
+  - {{name: {name}, {option}: {default}}}
 ```
 '''
 
 
-def new_plugin(name: str, parent: Path) -> Path:
-    """Write ``parent/trl-credit-<name>/`` and return its path (refuses to overwrite)."""
+HOOK_CHOICES = tuple(HOOK_TEMPLATES)
+
+
+def host_requirement() -> str:
+    """``trl-credit>=X.Y,<X.(Y+1)``: the host range a new plugin pins (this host's minor version)."""
+    from trl_credit import __version__
+
+    major, minor = (int(x) for x in __version__.split(".")[:2])
+    return f"trl-credit>={major}.{minor},<{major}.{minor + 1}"
+
+
+def new_plugin(name: str, parent: Path, hook: str = "compute_advantages") -> Path:
+    """Write ``parent/trl-credit-<name>/`` with a skeleton for ``hook`` and return its path (refuses to overwrite).
+
+    The skeleton's module implements a toy formula on that hook and its tests assert its values.
+    """
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name.replace("-", "_")):
         raise ValueError(f"plugin name {name!r}: use lowercase letters, digits and underscores")
+    if hook not in HOOK_TEMPLATES:
+        raise ValueError(f"--hook {hook!r}: choose one of {', '.join(HOOK_CHOICES)}")
     module = name.replace("-", "_")
     dist = module.replace("_", "-")
     cls = "".join(part.capitalize() for part in module.split("_"))
@@ -122,7 +215,12 @@ def new_plugin(name: str, parent: Path) -> Path:
     root = Path(parent) / f"trl-credit-{dist}"
     if root.exists():
         raise FileExistsError(f"{root} exists; choose another name or remove it")
-    values = dict(name=module, module=module, dist=dist, cls=cls, title=title)
+    formula, summary, option, default, bound, option_help, body, test = HOOK_TEMPLATES[hook]
+    values = dict(name=module, module=module, dist=dist, cls=cls, title=title, hook=hook, formula=formula,
+                  summary=summary, option=option, default=default, bound=bound, option_help=option_help,
+                  host_requirement=host_requirement())
+    values["body"] = body.format(**values)
+    values["test"] = test.format(**values)
     files = {
         "pyproject.toml": PYPROJECT,
         f"src/trl_credit_{module}/__init__.py": MODULE,

@@ -8,9 +8,8 @@ import pytest
 import torch
 from trl_credit_accuracy_band import AccuracyBand, group_accuracy
 
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import Pipeline, PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError, Refill
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 NAN = None  # make_batch turns None into NaN
 
@@ -132,11 +131,11 @@ def test_metric_column_selection():
 
 
 def test_unknown_metric_column_is_a_config_error():
-    plugins = plugin_set(AccuracyBand, {"metric": "acc"}, name="accuracy_band")
-    assert plugins.plugins[0].instance.required_rewards() == ["acc"]
-    with pytest.raises(ConfigError, match=r"accuracy_band.*reward column 'acc'.*\['accuracy', 'format'\]"):
-        check_reward_columns(plugins, ["accuracy", "format"])
-    check_reward_columns(plugin_set(AccuracyBand, {}), ["accuracy"])
+    assert AccuracyBand(AccuracyBand.Config(metric="acc")).required_rewards() == ["acc"]
+    with pytest.raises(ConfigError, match=r"\(accuracy_band\).*reward column 'acc'.*\['accuracy', 'format'\]"):
+        check_args(AccuracyBand, {"metric": "acc"}, reward_names=["accuracy", "format"],
+                   per_device_train_batch_size=8, num_generations=4)
+    check_args(AccuracyBand, {}, reward_names=["accuracy"], per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(PluginRuntimeError, match="no reward column 'acc'"):
         run_plugin(AccuracyBand, two_column_batch(), {"metric": "acc"})
 
@@ -144,16 +143,26 @@ def test_unknown_metric_column_is_a_config_error():
 @pytest.mark.parametrize("options, key", [({"low": -0.1}, "low"), ({"high": 1.5}, "high"),
                                           ({"low": 0.9, "high": 0.1}, "low"),
                                           ({"max_refill_rounds": -1}, "max_refill_rounds"),
+                                          ({"max_refill_tokens": -5}, "max_refill_tokens"),
                                           ({"accuracy_lower_bound": 0.2}, "accuracy_lower_bound")])
 def test_bad_options(options, key):
     with pytest.raises(ConfigError, match=key):
         plugin_set(AccuracyBand, options)
 
 
+def refill_seen_by_the_host(options):
+    """The `Refill` the host reads for this configuration (`RunInfo.plugins`, as `trl-credit validate`)."""
+    run = check_args(AccuracyBand, options, per_device_train_batch_size=8, num_generations=4)
+    return run.plugins[0].refill
+
+
 def test_refill_config_reaches_the_host():
-    assert Pipeline(plugin_set(AccuracyBand)).max_refill_rounds == 3
-    assert Pipeline(plugin_set(AccuracyBand, {"max_refill_rounds": 5})).max_refill_rounds == 5
-    assert Pipeline(plugin_set(AccuracyBand, {"refill": False})).max_refill_rounds == 0
+    assert refill_seen_by_the_host({}) == Refill(max_rounds=3, max_tokens=None)
+    assert refill_seen_by_the_host({"max_refill_rounds": 5}) == Refill(max_rounds=5, max_tokens=None)
+    assert refill_seen_by_the_host({"max_refill_tokens": 512}) == Refill(max_rounds=3, max_tokens=512)
+    assert refill_seen_by_the_host({"refill": False}) is None
+    assert refill_seen_by_the_host({"refill": False, "max_refill_tokens": 512}) is None
+    assert AccuracyBand(AccuracyBand.Config(max_refill_rounds=1, max_refill_tokens=0)).refill() == Refill(1, 0)
 
 
 def test_contract():
@@ -178,20 +187,9 @@ def band_reward():
 
 
 def test_training_with_refill(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
     reward, calls = band_reward()
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1, disable_tqdm=True)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=reward, args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "accuracy_band", "max_refill_rounds": 2}])
-    trainer.train()
+    trainer = train_tiny([{"name": "accuracy_band", "max_refill_rounds": 2}], output_dir=tmp_path,
+                         reward_funcs=[reward], max_completion_length=4)
     assert trainer.state.global_step == 2
     logs = [e for e in trainer.state.log_history if "trl_credit/generation_rounds" in e]
     assert len(logs) == 2
@@ -199,10 +197,34 @@ def test_training_with_refill(tmp_path):
     # step 1, calls 1-3: (too hard, too easy), (in band, too easy), (too hard, too easy): quota 2 not met
     # step 2, calls 4-6: (in band, too easy), (too hard, too easy), (in band, too easy): quota met
     for entry, kept_groups_found in ((first, 1), (second, 2)):
+        # without a token budget step 1 runs every allowed round: 1 + max_refill_rounds
         assert entry["trl_credit/generation_rounds"] == 3.0
+        assert "trl_credit/refill_budget_hit" not in entry
         assert entry["trl_credit/accuracy_band/kept_fraction"] == pytest.approx(kept_groups_found / 6)
         assert entry["trl_credit/accuracy_band/too_easy"] == 0.5
         assert entry["trl_credit/accuracy_band/too_hard"] == pytest.approx((3 - kept_groups_found) / 6)
         assert entry["trl_credit/kept_fraction"] == kept_groups_found / 2   # step 1: one masked filler group
         assert entry["trl_credit/skipped_update"] == 0.0
     assert calls[0] == 6
+
+
+def test_refill_token_budget_stops_refill(tmp_path):
+    calls = [0]
+
+    def too_hard(completions, **kwargs):      # accuracy 0 in every group: refill always wanted
+        calls[0] += 1
+        return [0.0] * len(completions)
+
+    # budget 1 token: refill round 1 generates >= 8 tokens (each completion: its EOS at least), so no round 2
+    trainer = train_tiny([{"name": "accuracy_band", "max_refill_rounds": 3, "max_refill_tokens": 1}],
+                         output_dir=tmp_path, reward_funcs=[too_hard], max_completion_length=4)
+    assert trainer.state.global_step == 2
+    logs = [e for e in trainer.state.log_history if "trl_credit/generation_rounds" in e]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["trl_credit/generation_rounds"] == 2.0
+        assert entry["trl_credit/refill_budget_hit"] == 1.0
+        assert entry["trl_credit/extra_tokens"] >= 8
+        assert entry["trl_credit/accuracy_band/too_hard"] == 1.0
+        assert entry["trl_credit/skipped_update"] == 1.0
+    assert calls[0] == 4

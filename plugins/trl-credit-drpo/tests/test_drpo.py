@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
-from trl_credit.config import ConfigError
-from trl_credit.testing import check_plugin, default_args, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError
+from trl_credit.testing import check_args, check_plugin, default_args, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit_drpo import DRPO
 
 NAN = None  # make_batch turns None into NaN
@@ -72,6 +72,17 @@ def test_lambda_alias_and_large_lambda_is_disco():
     disco = run_plugin(DRPO, vector_batch(lp), {"mode": "disco"})
     torch.testing.assert_close(big.advantages, disco.advantages, rtol=0, atol=1e-5)
     assert plugin_set(DRPO, {"lambda": 0.5}).plugins[0].instance.config.lambda_ == 0.5
+
+
+def test_lambda_is_set_by_its_alias_from_yaml():
+    """``lambda`` is a Python keyword: the field is ``lambda_``, the YAML key its alias ``lambda``."""
+    (item,) = yaml.safe_load("- name: drpo\n  lambda: 0.5\n")
+    assert item == {"name": "drpo", "lambda": 0.5}
+    name = item.pop("name")
+    assert plugin_set(name, item).plugins[0].instance.config.lambda_ == 0.5
+    check_args(name, item, per_device_train_batch_size=8, num_generations=4, loss_type="grpo")   # validate: fine
+    with pytest.raises(ConfigError, match=r"\(drpo\): option 'lambda'"):
+        check_args(name, {"lambda": 0.0}, per_device_train_batch_size=8, num_generations=4, loss_type="grpo")
 
 
 # ------------------------------------------------------------------ on-policy gradient equivalence
@@ -226,21 +237,32 @@ def test_bad_options(options, key):
         plugin_set(DRPO, options)
 
 
-def test_loss_type_and_num_iterations_checks():
-    plugin = DRPO()
-    with pytest.raises(ValueError, match="loss_type='grpo'"):
-        plugin.on_train_begin(SimpleNamespace(args=SimpleNamespace(loss_type="dapo", num_iterations=1)))
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "dr_grpo"])
+def test_check_args_rejects_other_loss_types(loss_type):
+    with pytest.raises(ConfigError) as error:
+        check_args(DRPO, per_device_train_batch_size=8, num_generations=4, loss_type=loss_type)
+    message = str(error.value)
+    assert "plugins[0] (drpo): loss_type:" in message
+    assert f"got {loss_type!r}" in message
+    assert "fix: set `loss_type: grpo` in the config" in message
+    check_args(DRPO, per_device_train_batch_size=8, num_generations=4, loss_type="grpo")          # accepted
+
+
+def test_run_time_warnings():
+    lp = torch.zeros(4, 4)
     with pytest.warns(UserWarning, match="num_iterations=2"):
-        plugin.on_train_begin(SimpleNamespace(args=SimpleNamespace(loss_type="grpo", num_iterations=2)))
+        run_plugin(DRPO, make_batch([1, 0, 0, 0], G, logps=lp, loss_type="grpo", num_iterations=2))
     with pytest.warns(UserWarning, match="steps_per_generation=4"):
-        DRPO().on_train_begin(SimpleNamespace(args=SimpleNamespace(
-            loss_type="grpo", num_iterations=1, steps_per_generation=4, gradient_accumulation_steps=1)))
+        run_plugin(DRPO, make_batch([1, 0, 0, 0], G, logps=lp, loss_type="grpo", num_iterations=1,
+                                    steps_per_generation=4, gradient_accumulation_steps=1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DRPO().on_train_begin(SimpleNamespace(args=SimpleNamespace(
-            loss_type="grpo", num_iterations=1, steps_per_generation=2, gradient_accumulation_steps=2)))
+        run_plugin(DRPO, make_batch([1, 0, 0, 0], G, logps=lp, loss_type="grpo", num_iterations=1,
+                                    steps_per_generation=2, gradient_accumulation_steps=2))
+    # warnings are not errors: num_iterations and steps_per_generation pass check_args
+    check_args(DRPO, per_device_train_batch_size=8, num_generations=4, loss_type="grpo", num_iterations=2)
     with pytest.warns(UserWarning, match="loss_type='grpo'"):                # unit batches: warn, not raise
-        run_plugin(DRPO, make_batch([1, 0, 0, 0], G, logps=torch.zeros(4, 4)))  # make_batch default: dapo
+        run_plugin(DRPO, make_batch([1, 0, 0, 0], G, logps=lp))             # make_batch default: dapo
 
 
 def scored_edge_batches():
@@ -273,22 +295,12 @@ def test_contract():
 
 # ------------------------------------------------------------------ a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
     def half_right(completions, **kwargs):
         """Every group of 4 gets rewards [0, 1, 0, 1]: each group has positives and negatives."""
         return [float(i % 2) for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1, loss_type="grpo")
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=half_right, args=args,
-                                train_dataset=make_arithmetic(n=64, seed=0), plugins=[{"name": "drpo"}])
-    trainer.train()
+    trainer = train_tiny([{"name": "drpo", "lambda": 0.5}], output_dir=tmp_path, reward_funcs=[half_right],
+                         loss_type="grpo")
     logs = [e for e in trainer.state.log_history if "trl_credit/drpo/seconds" in e]
     assert trainer.state.global_step == 2
     assert len(logs) == 2

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import Pipeline, PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
 from trl_credit_dynamic_sampling import DynamicSampling, group_range
+
+from trl_credit import ConfigError, PluginRuntimeError, Refill
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 NAN = None  # make_batch turns None into NaN
 
@@ -107,11 +107,11 @@ def test_metric_column_selection():
 
 
 def test_unknown_metric_column_is_a_config_error():
-    plugins = plugin_set(DynamicSampling, {"metric": "acc"}, name="dynamic_sampling")
-    assert plugins.plugins[0].instance.required_rewards() == ["acc"]
-    with pytest.raises(ConfigError, match=r"dynamic_sampling.*reward column 'acc'.*\['accuracy', 'format'\]"):
-        check_reward_columns(plugins, ["accuracy", "format"])
-    check_reward_columns(plugin_set(DynamicSampling, {}), ["accuracy"])          # total: nothing required
+    assert DynamicSampling(DynamicSampling.Config(metric="acc")).required_rewards() == ["acc"]
+    with pytest.raises(ConfigError, match=r"\(dynamic_sampling\).*reward column 'acc'.*\['accuracy', 'format'\]"):
+        check_args(DynamicSampling, {"metric": "acc"}, reward_names=["accuracy", "format"],
+                   per_device_train_batch_size=8, num_generations=4)
+    check_args(DynamicSampling, {}, reward_names=["accuracy"], per_device_train_batch_size=8, num_generations=4)
     # at run time (no startup check) the lookup still names the column
     with pytest.raises(PluginRuntimeError, match="no reward column 'acc'"):
         run_plugin(DynamicSampling, two_column_batch(), {"metric": "acc"})
@@ -119,17 +119,28 @@ def test_unknown_metric_column_is_a_config_error():
 
 @pytest.mark.parametrize("options, key", [({"max_refill_rounds": -1}, "max_refill_rounds"),
                                           ({"tolerance": -0.1}, "tolerance"),
+                                          ({"max_refill_tokens": -1}, "max_refill_tokens"),
                                           ({"max_num_gen_batches": 10}, "max_num_gen_batches")])
 def test_bad_options(options, key):
     with pytest.raises(ConfigError, match=key):
         plugin_set(DynamicSampling, options)
 
 
+def refill_seen_by_the_host(options):
+    """The `Refill` the host reads for this configuration (`RunInfo.plugins`, as `trl-credit validate`)."""
+    run = check_args(DynamicSampling, options, per_device_train_batch_size=8, num_generations=4)
+    return run.plugins[0].refill
+
+
 def test_refill_config_reaches_the_host():
-    assert Pipeline(plugin_set(DynamicSampling)).max_refill_rounds == 3
-    assert Pipeline(plugin_set(DynamicSampling, {"max_refill_rounds": 7})).max_refill_rounds == 7
-    assert Pipeline(plugin_set(DynamicSampling, {"mode": "filter"})).max_refill_rounds == 0
-    assert Pipeline(plugin_set(DynamicSampling, {"refill": False})).max_refill_rounds == 0
+    assert refill_seen_by_the_host({}) == Refill(max_rounds=3, max_tokens=None)
+    assert refill_seen_by_the_host({"max_refill_rounds": 7}) == Refill(max_rounds=7, max_tokens=None)
+    assert refill_seen_by_the_host({"max_refill_tokens": 4096}) == Refill(max_rounds=3, max_tokens=4096)
+    assert refill_seen_by_the_host({"refill": True, "max_refill_tokens": 0}) == Refill(max_rounds=3, max_tokens=0)
+    assert refill_seen_by_the_host({"mode": "filter"}) is None
+    assert refill_seen_by_the_host({"refill": False}) is None
+    assert refill_seen_by_the_host({"mode": "filter", "max_refill_tokens": 100}) is None   # nothing to budget
+    assert DynamicSampling(DynamicSampling.Config(max_refill_rounds=2)).refill() == Refill(2, None)
 
 
 @pytest.mark.parametrize("options, mode", [({}, "replace"), ({"refill": True}, "replace"),
@@ -168,25 +179,13 @@ def alternating_reward():
     return alternating, calls
 
 
-def make_trainer(tmp_path, plugin_options, reward):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    return CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=reward, args=args,
-                             train_dataset=make_arithmetic(n=64, seed=0),
-                             plugins=[{"name": "dynamic_sampling", **plugin_options}])
-
-
-def train(tmp_path, plugin_options):
-    reward, calls = alternating_reward()
-    trainer = make_trainer(tmp_path, plugin_options, reward)
-    trainer.train()
+def train(tmp_path, plugin_options, reward=None):
+    if reward is None:
+        reward, calls = alternating_reward()
+    else:
+        reward, calls = reward
+    trainer = train_tiny([{"name": "dynamic_sampling", **plugin_options}], output_dir=tmp_path,
+                         reward_funcs=[reward])
     logs = [entry for entry in trainer.state.log_history if "trl_credit/generation_rounds" in entry]
     return trainer, logs, calls[0]
 
@@ -204,6 +203,7 @@ def test_training_with_refill(tmp_path):
         assert entry["trl_credit/dynamic_sampling/constant_groups"] == 0.5
         assert entry["trl_credit/dynamic_sampling/kept_fraction"] == 0.5
         assert "trl_credit/dynamic_sampling/seconds" in entry
+        assert "trl_credit/refill_budget_hit" not in entry          # no budget set
     assert calls == 4
 
 
@@ -219,7 +219,46 @@ def test_training_in_filter_mode(tmp_path):
     assert calls == 2
 
 
+def constant_reward():
+    """Every group constant (all 0) whatever the model writes: refill is wanted in every round."""
+    calls = [0]
+
+    def constant(completions, **kwargs):
+        calls[0] += 1
+        return [0.0] * len(completions)
+
+    return constant, calls
+
+
+def test_refill_token_budget_stops_refill(tmp_path):
+    # budget 1 token: round 0 is free, refill round 1 generates >= 8 tokens (every completion has at
+    # least its EOS or its 8 tokens), so no round 2 starts although 3 are allowed
+    trainer, logs, calls = train(tmp_path, {"max_refill_rounds": 3, "max_refill_tokens": 1}, constant_reward())
+    assert trainer.state.global_step == 2
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["trl_credit/generation_rounds"] == 2.0
+        assert entry["trl_credit/refill_budget_hit"] == 1.0
+        assert entry["trl_credit/extra_tokens"] >= 8
+        assert entry["trl_credit/dynamic_sampling/constant_groups"] == 1.0
+        assert entry["trl_credit/kept_fraction"] == 0.0
+        assert entry["trl_credit/skipped_update"] == 1.0             # nothing kept: the step is skipped
+    assert calls == 4
+
+
+def test_without_a_budget_refill_runs_every_allowed_round(tmp_path):
+    trainer, logs, calls = train(tmp_path, {"max_refill_rounds": 2}, constant_reward())
+    assert trainer.state.global_step == 2
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["trl_credit/generation_rounds"] == 3.0         # round 0 + max_refill_rounds
+        assert "trl_credit/refill_budget_hit" not in entry
+        assert entry["trl_credit/skipped_update"] == 1.0
+    assert calls == 6
+
+
 def test_trainer_rejects_unknown_metric_column(tmp_path):
     reward, _ = alternating_reward()
-    with pytest.raises(ConfigError, match=r"reward column 'acc'.*\['alternating'\]"):
-        make_trainer(tmp_path, {"metric": "acc"}, reward)
+    with pytest.raises(ConfigError, match=r"\(dynamic_sampling\).*reward column 'acc'.*\['alternating'\]"):
+        train_tiny([{"name": "dynamic_sampling", "metric": "acc"}], output_dir=tmp_path, reward_funcs=[reward],
+                   train=False)

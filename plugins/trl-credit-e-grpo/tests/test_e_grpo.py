@@ -15,11 +15,17 @@ from trl_credit_e_grpo import (
     trajectory_text,
 )
 
-from trl_credit import hookimpl
-from trl_credit.builtin import grpo_advantages
-from trl_credit.config import ConfigError, check_columns, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError, completion_text, grpo_advantages, hookimpl
+from trl_credit.testing import (
+    check_args,
+    check_plugin,
+    make_batch,
+    plugin_set,
+    run_plugin,
+    tiny_dataset,
+    tiny_model_path,
+    train_tiny,
+)
 
 NAN = None  # make_batch turns None into NaN
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
@@ -166,15 +172,17 @@ def test_single_completion_per_group_and_empty_completions():
 
 # ------------------------------------------------------------------------- config
 def test_missing_columns_are_named():
-    plugins = plugin_set(EntityGRPO, {}, name="e_grpo")
-    instance = plugins.plugins[0].instance
+    instance = EntityGRPO()
     assert instance.required_columns() == ["entities"] and instance.required_rewards() == ["accuracy_reward"]
-    with pytest.raises(ConfigError, match=r"e_grpo.*dataset column 'entities'"):
-        check_columns(plugins, ["prompt", "answer"])
-    with pytest.raises(ConfigError, match=r"e_grpo.*reward column 'accuracy_reward'"):
-        check_reward_columns(plugins, ["format_reward"])
+    with pytest.raises(ConfigError, match=r"\(e_grpo\).*dataset column 'entities'"):
+        check_args(EntityGRPO, reward_names=["accuracy_reward"], columns=["prompt", "answer"])
+    with pytest.raises(ConfigError, match=r"\(e_grpo\).*reward column 'accuracy_reward'"):
+        check_args(EntityGRPO, reward_names=["format_reward"], columns=["prompt", "entities"])
     with pytest.raises(ConfigError, match=r"dataset column 'gold'"):
-        check_columns(plugin_set(EntityGRPO, {"entities_column": "gold"}), ["prompt", "entities"])
+        check_args(EntityGRPO, {"entities_column": "gold"}, reward_names=["accuracy_reward"],
+                   columns=["prompt", "entities"])
+    check_args(EntityGRPO, reward_names=["accuracy_reward"], columns=["prompt", "entities"])
+    check_args(EntityGRPO, reward_names=["accuracy_reward"], columns=None)     # columns unknown: not checked
     with pytest.raises(PluginRuntimeError, match="no dataset column 'entities'"):
         run_plugin(EntityGRPO, make_batch([1, 0], 2, reward_names=["accuracy_reward"]))
 
@@ -217,12 +225,6 @@ class Spy:
 
 def test_training_run(tmp_path):
     from transformers import AutoTokenizer
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import completion_text
 
     model = tiny_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -231,18 +233,14 @@ def test_training_run(tmp_path):
     paris, berlin = (tokenizer.encode(w, add_special_tokens=False) for w in (" Paris", " Berlin"))
     bias = [[paris, 9.0], [berlin, 8.0]]
     cities = ["Paris", "Berlin", "Rome", "Madrid"]
-    dataset = make_arithmetic(n=32, seed=0)
+    dataset = tiny_dataset(32, seed=0)
     dataset = dataset.add_column("entities", [cities] * len(dataset))
 
     def correct(completions, **kwargs):        # deterministic: one correct completion per group of 4
         return [1.0 if i % 4 == 0 else 0.0 for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1, generation_kwargs={"sequence_bias": bias})
-    trainer = CreditGRPOTrainer(model=model, reward_funcs=[correct], args=args, train_dataset=dataset,
-                                plugins=[{"name": "e_grpo", "correct_reward": "correct"}, Spy])
-    trainer.train()
+    trainer = train_tiny([{"name": "e_grpo", "correct_reward": "correct"}, Spy], output_dir=tmp_path,
+                         reward_funcs=[correct], dataset=dataset, generation_kwargs={"sequence_bias": bias})
     assert trainer.state.global_step == 2
     spy = trainer.credit_plugins.plugins[1].instance
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

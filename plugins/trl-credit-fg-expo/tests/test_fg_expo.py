@@ -9,17 +9,25 @@ import pytest
 import torch
 from trl_credit_fg_expo import FGExPO, akl_beta, gcs_weights
 
-from trl_credit import hookimpl
-from trl_credit.batch import PromptStats
-from trl_credit.config import ConfigError, build_plugins, check_reward_columns
+from trl_credit import ConfigError, PromptStats, hookimpl
 from trl_credit.testing import (
+    check_args,
     check_plugin,
     edge_case_batches,
+    load_plugin,
     make_batch,
     plugin_set,
     run_curriculum,
     run_plugin,
+    train_tiny,
 )
+
+RUN = dict(per_device_train_batch_size=8, num_generations=4)   # the GRPOConfig of the check_args tests
+
+
+def enabled(config=None) -> FGExPO:
+    """An FGExPO instance registered as the host registers it (so that it can log metrics)."""
+    return plugin_set(FGExPO, config).plugins[0].instance
 
 
 def stats_of(seen, passed) -> PromptStats:
@@ -122,7 +130,7 @@ def test_akl_monotone_and_bounded():
 
 
 def test_akl_counts_kept_finite_completions_only():
-    plugin = FGExPO()
+    plugin = enabled()
     batch = make_batch([1, 1, 1, 1, 0, 0, 1, None], 4, reward_names=["accuracy"])
     assert plugin.batch_accuracy(batch) == pytest.approx(5 / 7)               # NaN row not counted
     batch.kept = torch.tensor([False] * 4 + [True] * 4)
@@ -131,15 +139,17 @@ def test_akl_counts_kept_finite_completions_only():
 
 
 def test_akl_through_a_filter():
-    class DropFirstGroup:
-        """Test filter: drops group 0."""
+    class DropFirstGroup(FGExPO):
+        """FG-ExPO with a test filter that drops group 0 (the host runs filters before kl_coefficient)."""
+
+        name = "fg_expo"
 
         @hookimpl
         def filter_rollouts(self, batch):
             return torch.arange(batch.num_groups) > 0
 
-    plugins = build_plugins([DropFirstGroup, {"name": FGExPO}])
-    result = run_plugin(FGExPO, make_batch([1, 1, 1, 1, 1, 0, 0, 0], 4, reward_names=["accuracy"]), plugins=plugins)
+    result = run_plugin(DropFirstGroup, make_batch([1, 1, 1, 1, 1, 0, 0, 0], 4, reward_names=["accuracy"]))
+    assert result.keep.tolist() == [False] * 4 + [True] * 4
     assert result.metrics["fg_expo/accuracy"] == pytest.approx(0.25)          # group 1 only: 1 of 4
     assert result.beta == pytest.approx(AKL_DEFAULT[2], abs=1e-9)
 
@@ -162,14 +172,14 @@ def test_akl_reward_column_and_threshold():
 
 
 def test_akl_no_countable_completion_reuses_last_accuracy():
-    plugin = FGExPO()
+    plugin = enabled()
     nan_batch = make_batch([None] * 4, 4, reward_names=["accuracy"])
     assert plugin.kl_coefficient(nan_batch) == pytest.approx(0.02, abs=1e-12)  # c = 0.5 before any batch
     plugin.kl_coefficient(binary_batch(8))
     assert plugin.kl_coefficient(make_batch([None] * 4, 4, reward_names=["accuracy"])) == \
         pytest.approx(AKL_DEFAULT[8], abs=1e-9)
     # the last accuracy survives a checkpoint
-    restored = FGExPO()
+    restored = enabled()
     restored.load_state_dict(plugin.state_dict())
     assert restored.last_accuracy == 1.0
 
@@ -177,9 +187,20 @@ def test_akl_no_countable_completion_reuses_last_accuracy():
 def test_parts_switched_off_are_absent_for_the_host():
     assert plugin_set(FGExPO, {"akl": False}).plugins[0].hooks == ["prompt_weights", "on_batch_end"]
     assert "prompt_weights" not in plugin_set(FGExPO, {"gcs": False}).plugins[0].hooks
-    from trl_credit.config import check_reference
+    check_args(FGExPO, {"akl": False}, peft=False, beta=0.0, **RUN)                  # GCS only: no reference
 
-    check_reference(build_plugins([{"name": FGExPO, "akl": False}]), beta=0.0, peft=False)  # GCS only: no reference
+
+def test_check_args_akl_needs_a_reference_model():
+    """AKL sets the KL coefficient: with beta = 0 and no PEFT adapter TRL keeps no reference to score."""
+    with pytest.raises(ConfigError) as error:
+        check_args(FGExPO, peft=False, beta=0.0, **RUN)
+    message = str(error.value)
+    assert "plugins[0] (fg_expo) sets the KL coefficient, but this run has no reference model" in message
+    assert "set `beta` > 0 in the config" in message and "(`use_peft: true`" in message
+    with pytest.raises(ConfigError, match=r"\(fg_expo\) sets the KL coefficient"):
+        check_args(FGExPO, {"gcs": False, "beta_max": 0.1}, peft=False, beta=0.0, **RUN)   # AKL alone: the same
+    check_args(FGExPO, peft=True, beta=0.0, **RUN)                                 # the base model is the reference
+    check_args(FGExPO, peft=False, beta=0.04, **RUN)                               # TRL keeps a reference copy
 
 
 def test_akl_off_returns_none():
@@ -200,18 +221,15 @@ def test_config_errors_name_plugin_and_option():
 
 
 def test_missing_reward_column_is_named():
-    plugins = build_plugins([{"name": FGExPO, "accuracy_reward": "correct"}])
-    with pytest.raises(ConfigError, match=r"correct"):
-        check_reward_columns(plugins, ["length_reward"])
-    check_reward_columns(plugins, ["correct"])
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(fg_expo\): needs reward column 'correct'"):
+        check_args(FGExPO, {"accuracy_reward": "correct"}, reward_names=["length_reward"], **RUN)
+    check_args(FGExPO, {"accuracy_reward": "correct"}, reward_names=["correct"], **RUN)
     # AKL off: the column is not needed
-    check_reward_columns(build_plugins([{"name": FGExPO, "accuracy_reward": "correct", "akl": False}]), ["x"])
+    check_args(FGExPO, {"accuracy_reward": "correct", "akl": False}, reward_names=["x"], **RUN)
 
 
 def test_entry_point_is_installed():
-    from trl_credit.plugins import available
-
-    assert available()["fg_expo"].load() is FGExPO
+    assert load_plugin("fg_expo") is FGExPO
 
 
 @pytest.mark.parametrize("config", [None, {"akl": False}, {"gcs": False}, {"estimator": "raw", "sigma": 0.1},
@@ -221,23 +239,28 @@ def test_check_plugin(config):
 
 
 def test_gcs_logs_effective_fraction():
-    plugin = FGExPO()
+    plugin = enabled()
     plugin.prompt_weights(stats_of([4, 4, 0], [4, 2, 0]), 0)                  # p̂ = 5/6, 1/2, 1/2 (unseen)
     w = torch.tensor([0.24935220877729616, 1.0, 1.0])
     expected = (w.sum() ** 2 / (w ** 2).sum() / 3).item()
     batch = binary_batch(4)
     plugin.on_batch_end(batch)
-    assert batch.metrics["host/gcs_effective_fraction"] == [pytest.approx(expected, rel=1e-6)]
+    assert batch.metrics["fg_expo/gcs_effective_fraction"] == [pytest.approx(expected, rel=1e-6)]
 
 
 # ------------------------------------------------------------------------- real runs
 def _staged_dataset(per_level: int):
-    from trl_credit.app.data import make_arithmetic
+    """``per_level`` questions "What is a + b?" per difficulty 1, 2, 3 (digits of a + b), in that order."""
+    from datasets import Dataset
 
-    ds = make_arithmetic(n=60, seed=0, max_value=20, ops="+*")               # difficulty 1, 2 and 3
-    rows = [i for level in (1, 2, 3) for i in [j for j, d in enumerate(ds["difficulty"]) if d == level][:per_level]]
-    ds = ds.select(rows)
-    assert sorted(ds["difficulty"]) == sorted([1, 2, 3] * per_level)
+    pairs = {1: [(1, 2), (3, 4), (2, 5)], 2: [(10, 20), (30, 15), (12, 13)], 3: [(100, 200), (300, 150), (120, 130)]}
+    rows = [(a, b) for level in (1, 2, 3) for a, b in pairs[level][:per_level]]
+    ds = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}] for a, b in rows],
+        "answer": [str(a + b) for a, b in rows],
+        "difficulty": [len(str(a + b)) for a, b in rows],
+    })
+    assert ds["difficulty"] == [level for level in (1, 2, 3) for _ in range(per_level)]
     return ds
 
 
@@ -256,15 +279,6 @@ def _staged_reward(log: list):
     return staged_reward
 
 
-def _args(tmp_path, steps: int, **overrides):
-    from trl import GRPOConfig
-
-    values = {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4,
-              "max_completion_length": 4, "max_steps": steps, "report_to": "none", "save_strategy": "no",
-              "use_cpu": True, "bf16": False, "logging_steps": 1, "seed": 0}
-    return GRPOConfig(**{**values, **overrides})
-
-
 def _lora():
     from peft import LoraConfig
 
@@ -278,13 +292,17 @@ def test_training_run_both_parts_with_peft_scores_reference(tmp_path):
     learning rate moves the adapter, so at step 2 KL > 0 and the loss is β_t · KL (the policy term
     vanishes: ratio 1, zero-mean advantages per group, equal lengths).
     """
+    from trl import GRPOConfig
+
     from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.testing import tiny_model_path
 
     log: list = []
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward(log)],
-                                args=_args(tmp_path, 2, beta=0.0, learning_rate=0.05), train_dataset=_staged_dataset(2),
-                                peft_config=_lora(), plugins=[{"name": "fg_expo"}])
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, max_steps=2, report_to="none", save_strategy="no", use_cpu=True,
+                      bf16=False, logging_steps=1, seed=0, beta=0.0, learning_rate=0.05)
+    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward(log)], args=args,
+                                train_dataset=_staged_dataset(2), peft_config=_lora(), plugins=[{"name": "fg_expo"}])
     assert trainer.ref_model is None and trainer.beta == 0.0
     trainer.train()
     assert trainer.state.global_step == 2
@@ -305,13 +323,9 @@ def test_training_run_both_parts_with_peft_scores_reference(tmp_path):
 
 
 def test_training_without_reference_fails_early(tmp_path):
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing.tiny import tiny_model_path
-
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(fg_expo\) sets the KL coefficient"):
-        CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward([])],
-                          args=_args(tmp_path, 2, beta=0.0), train_dataset=_staged_dataset(2),
-                          plugins=[{"name": "fg_expo"}])
+        train_tiny([{"name": "fg_expo"}], output_dir=tmp_path, reward_funcs=[_staged_reward([])],
+                   dataset=_staged_dataset(2), beta=0.0, train=False)
 
 
 def test_gcs_draws_frontier_prompts_more_often(tmp_path):
@@ -324,17 +338,13 @@ def test_gcs_draws_frontier_prompts_more_often(tmp_path):
     (raw accuracy: 1, 0.5 and 0 give weights 0.044, 1, 0.044) most of the time. The AKL part is off
     (switched off through disabled_hooks), so the run needs no reference model and no adapter.
     """
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing.tiny import tiny_model_path
-
     steps, warmup = 8, 3
 
-    def drawn_levels(plugins, **kwargs):
+    def drawn_levels(plugins):
         log: list = []
-        args = _args(tmp_path, steps, logging_steps=steps, per_device_train_batch_size=4, num_generations=2)
-        trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward(log)], args=args,
-                                    train_dataset=_staged_dataset(2), plugins=plugins, **kwargs)
-        trainer.train()
+        trainer = train_tiny(plugins, output_dir=tmp_path, reward_funcs=[_staged_reward(log)],
+                             dataset=_staged_dataset(2), max_steps=steps, logging_steps=steps,
+                             per_device_train_batch_size=4, num_generations=2, max_completion_length=4)
         assert trainer.state.global_step == steps and len(log) == steps
         return [call[::2] for call in log]                                   # one entry per prompt (G = 2)
 

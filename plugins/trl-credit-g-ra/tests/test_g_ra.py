@@ -8,9 +8,8 @@ import pytest
 import torch
 from trl_credit_g_ra import GatedRewardAccumulation, gated_accumulation
 
-from trl_credit.builtin import grpo_advantages
-from trl_credit.config import ConfigError, build_plugins, check_reward_columns
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, grpo_advantages
+from trl_credit.testing import answer_reward, check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 NAN = None
 SCORER = "test_g_ra:text_scores"
@@ -99,12 +98,45 @@ def test_single_completion_per_group_and_negative_scores():
     assert torch.equal(result.advantages, torch.zeros(3))
 
 
+GRPO_ARGS = {"per_device_train_batch_size": 8, "num_generations": 4}
+
+
 def test_missing_outcome_column_is_a_config_error():
-    plugins = build_plugins([{"name": "g_ra", "outcome": "accuracy"}])
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(g_ra\).*'accuracy'"):
-        check_reward_columns(plugins, ["arithmetic_accuracy"])
-    check_reward_columns(build_plugins([{"name": "g_ra"}]), ["arithmetic_accuracy"])   # default column: fine
+        check_args("g_ra", {"outcome": "accuracy"}, reward_names=["arithmetic_accuracy"], **GRPO_ARGS)
+    check_args("g_ra", reward_names=["arithmetic_accuracy"], **GRPO_ARGS)              # default column: fine
     assert GatedRewardAccumulation().required_rewards() == ["arithmetic_accuracy"]
+
+
+def test_check_args_scorer_kwargs_the_scorer_does_not_take():
+    with pytest.raises(ConfigError) as info:
+        check_args(GatedRewardAccumulation, {"outcome": "answer_reward", "scorer_kwargs": {"neutrall": 0.5}},
+                   reward_names=["answer_reward"], **GRPO_ARGS)
+    message = str(info.value)
+    assert "plugins[0] (g_ra): scorer_kwargs:" in message and "'neutrall'" in message
+    assert "fix: pass only keyword options the scorer takes" in message and "neutral=0.0" in message
+    # the positional arguments are the host's: an option may not take their place either
+    with pytest.raises(ConfigError, match=r"\(g_ra\): scorer_kwargs: .*'steps'.*fix: pass only keyword options"):
+        check_args(GatedRewardAccumulation, {"scorer": SCORER, "scorer_kwargs": {"steps": []}},
+                   reward_names=["arithmetic_accuracy"], **GRPO_ARGS)
+    check_args(GatedRewardAccumulation, {"scorer_kwargs": {"neutral": 0.5}}, reward_names=["arithmetic_accuracy"],
+               **GRPO_ARGS)
+    check_args(GatedRewardAccumulation, {"scorer": "test_g_ra:any_options", "scorer_kwargs": {"x": 1}},
+               reward_names=["arithmetic_accuracy"], **GRPO_ARGS)                  # **options take anything
+
+
+def any_options(prompts, completions, steps, columns, **options):
+    return [[0.0] * len(row) for row in steps]
+
+
+def test_check_args_append_column_that_a_reward_function_produces():
+    options = {"outcome": "answer_reward", "append_column": "format_reward"}
+    with pytest.raises(ConfigError) as info:
+        check_args(GatedRewardAccumulation, options, reward_names=["answer_reward", "format_reward"], **GRPO_ARGS)
+    message = str(info.value)
+    assert "plugins[0] (g_ra): append_column: 'format_reward' is already a reward column" in message
+    assert "fix: name a new column, or omit append_column" in message
+    check_args(GatedRewardAccumulation, options, reward_names=["answer_reward"], **GRPO_ARGS)
 
 
 def test_config_errors():
@@ -139,21 +171,9 @@ def test_contract():
 
 # ------------------------------------------------------------------------- a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    # tau = 0 opens the gate for every completion (accuracy >= 0), so every step adds 0.25
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "g_ra", "tau": 0.0, "scorer": "test_g_ra:fixed_step_scores"}])
-    trainer.train()
+    # tau = 0 opens the gate for every completion (answer_reward >= 0), so every step adds 0.25
+    plugin = {"name": "g_ra", "outcome": "answer_reward", "tau": 0.0, "scorer": "test_g_ra:fixed_step_scores"}
+    trainer = train_tiny([plugin], output_dir=tmp_path, reward_funcs=[answer_reward])
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2

@@ -10,15 +10,16 @@ import pytest
 import torch
 from trl_credit_grpo_lambda import GrpoLambda, kimi_length_reward, select_groups
 
-from trl_credit import hookimpl
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
+from trl_credit import ConfigError, PluginRuntimeError, hookimpl
 from trl_credit.testing import (
+    answer_reward,
+    check_args,
     check_plugin,
     edge_case_batches,
     make_batch,
     plugin_set,
     run_plugin,
+    train_tiny,
 )
 
 NAN = None
@@ -146,9 +147,9 @@ def test_column_selection_and_missing_column():
     two = make_batch([[0, 1], [0, 1], [0, 0], [0, 1]], 4, lengths=VECTOR[1], reward_names=["format", "accuracy"])
     result = run_plugin(GrpoLambda, two, {"column": "accuracy"})
     assert result.rewards.tolist() == [[0, 1.5], [0, 1.0], [0, 0.0], [0, 0.5]]
-    plugins = plugin_set(GrpoLambda, {"column": "acc"}, name="grpo_lambda")
-    with pytest.raises(ConfigError, match=r"grpo_lambda.*reward column 'acc'.*\['accuracy'\]"):
-        check_reward_columns(plugins, ["accuracy"])
+    with pytest.raises(ConfigError, match=r"\(grpo_lambda\).*reward column 'acc'.*\['accuracy'\]"):
+        check_args(GrpoLambda, {"column": "acc"}, reward_names=["accuracy"])
+    check_args(GrpoLambda, reward_names=["accuracy"])                      # the first column: nothing named
     with pytest.raises(PluginRuntimeError, match="no reward column 'acc'"):
         run_plugin(GrpoLambda, two, {"column": "acc"})
     for options, key in (({"fraction": 1.5}, "fraction"), ({"selection": "top"}, "selection"),
@@ -181,21 +182,9 @@ class Observer:
 
 
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
     Observer.seen.clear()
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy, three_of_four],
-                                args=args, train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "grpo_lambda", "column": "three_of_four"}, Observer])
-    trainer.train()
+    trainer = train_tiny([{"name": "grpo_lambda", "column": "three_of_four"}, Observer], output_dir=tmp_path,
+                         reward_funcs=[answer_reward, three_of_four])
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "trl_credit/grpo_lambda/selected_fraction" in entry]
     assert len(logs) == 2

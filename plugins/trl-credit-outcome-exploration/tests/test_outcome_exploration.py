@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 import random
+import sys
 from typing import ClassVar
 
 import pytest
@@ -17,21 +19,15 @@ from trl_credit_outcome_exploration import (
     historical_bonus,
 )
 
-from trl_credit.config import (
-    ConfigError,
-    EnabledPlugin,
-    PluginSet,
-    check_reward_columns,
-)
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.plugins import implemented_hooks, new_manager
-from trl_credit.app.rewards import last_number
+from trl_credit import ConfigError, PluginRuntimeError, hookimpl, last_number
 from trl_credit.testing import (
+    check_args,
     check_plugin,
     edge_case_batches,
     make_batch,
     plugin_set,
     run_plugin,
+    train_tiny,
 )
 
 HIST_ONLY = {"batch": False}
@@ -46,11 +42,7 @@ def run(completions, config=None, *, plugin=None, g=None, rewards=None, **kw):
     if plugin is None:
         return run_plugin(OutcomeExploration, batch, config)
     assert config is None, "an existing plugin brings its own config"
-    manager = new_manager()
-    manager.register(plugin, name="outcome_exploration")
-    enabled = EnabledPlugin(0, "outcome_exploration", "outcome_exploration", plugin,
-                            implemented_hooks(OutcomeExploration))
-    return run_plugin(OutcomeExploration, batch, plugins=PluginSet([enabled], manager))
+    return run_plugin(plugin, batch)
 
 
 def bonus_of(result):
@@ -296,13 +288,18 @@ def test_state_round_trip_and_trim_on_load():
     plugin = OutcomeExploration()
     run(["1", "2", "2", "3"], plugin=plugin, g=2)
     state = plugin.state_dict()
-    assert state["table"] == [(0, [("1", 1), ("2", 1)]), (1, [("2", 1), ("3", 1)])]
+    assert state["table"] == [[0, [["1", 1], ["2", 1]]], [1, [["2", 1], ["3", 1]]]]     # plain lists
     fresh = OutcomeExploration()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
     small = OutcomeExploration(OutcomeExploration.Config(max_prompts=1, max_answers_per_prompt=1))
     small.load_state_dict(state)
-    assert small.state_dict()["table"] == [(1, [("3", 1)])]
+    assert small.state_dict()["table"] == [[1, [["3", 1]]]]
+    # what a checkpoint holds: plain data, loaded as the host loads it (weights_only)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == state
 
 
 # ------------------------------------------------------------------------- config and contract
@@ -318,20 +315,40 @@ def test_config_errors():
 
 
 def test_missing_reward_column_is_named():
-    plugins = plugin_set(OutcomeExploration, {"add_to": "accuracy"}, name="outcome_exploration")
-    with pytest.raises(ConfigError, match=r"outcome_exploration.*reward column 'accuracy'"):
-        check_reward_columns(plugins, ["format"])
-    plugins = plugin_set(OutcomeExploration, {"historical_on": "correct", "correct_column": "acc"})
+    with pytest.raises(ConfigError, match=r"\(outcome_exploration\).*reward column 'accuracy'"):
+        check_args(OutcomeExploration, {"add_to": "accuracy"}, reward_names=["format"])
     with pytest.raises(ConfigError, match="reward column 'acc'"):
-        check_reward_columns(plugins, ["format"])
-    check_reward_columns(plugin_set(OutcomeExploration), ["format"])     # appends: needs nothing
+        check_args(OutcomeExploration, {"historical_on": "correct", "correct_column": "acc"}, reward_names=["format"])
+    check_args(OutcomeExploration, reward_names=["format"])                # appends: needs nothing
     with pytest.raises(PluginRuntimeError, match="no reward column 'accuracy'"):
         run(["3", "4"], {"add_to": "accuracy"})
 
 
 def test_existing_column_name_is_refused():
+    # before the model loads: a reward function already produces the column
+    with pytest.raises(ConfigError) as error:
+        check_args(OutcomeExploration, reward_names=["accuracy", "exploration_bonus"],
+                   per_device_train_batch_size=8, num_generations=4)
+    message = str(error.value)
+    assert "(outcome_exploration)" in message and "column: the bonus column 'exploration_bonus'" in message
+    assert "fix: set `column` to another name, or `add_to: exploration_bonus`" in message
+    check_args(OutcomeExploration, {"column": "explore"}, reward_names=["exploration_bonus"])
+    check_args(OutcomeExploration, {"add_to": "exploration_bonus"}, reward_names=["exploration_bonus"])
+    # at run time too (an earlier shaper may have appended it)
     with pytest.raises(PluginRuntimeError, match="'exploration_bonus' already exists"):
         run(["3", "4"], rewards=[[1.0], [0.0]], reward_names=["exploration_bonus"])
+
+
+def test_math_verify_must_be_installed(monkeypatch):
+    check_args(OutcomeExploration, {"canonicalizer": "math_verify"})      # installed here
+    monkeypatch.setitem(sys.modules, "math_verify", None)                  # as if it were not
+    with pytest.raises(ConfigError) as error:
+        check_args(OutcomeExploration, {"canonicalizer": "math_verify"}, per_device_train_batch_size=8,
+                   num_generations=4)
+    message = str(error.value)
+    assert "(outcome_exploration)" in message and "canonicalizer: 'math_verify' needs the math_verify" in message
+    assert "fix: `pip install math-verify`, or set `canonicalizer: last_number`" in message
+    check_args(OutcomeExploration)                                          # last_number needs nothing
 
 
 def test_contract():
@@ -350,8 +367,6 @@ def test_contract():
 class Snapshot:
     """Records the outcome_exploration table when training begins (after a resume has loaded state)."""
 
-    from trl_credit import hookimpl
-
     tables: ClassVar[list] = []
 
     @hookimpl
@@ -360,20 +375,8 @@ class Snapshot:
         Snapshot.tables.append((trainer.state.global_step, plugin.state_dict()))
 
 
-def make_trainer(out_dir, max_steps, **kwargs):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
-    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=max_steps, report_to="none", use_cpu=True,
-                      bf16=False, logging_steps=1, **kwargs)
-    return CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy], args=args,
-                             train_dataset=make_arithmetic(n=32, seed=0),
-                             plugins=[{"name": "outcome_exploration"}, Snapshot])
+PLUGINS = [{"name": "outcome_exploration"}, Snapshot]
+STATE_FILE = "trl_credit_state.pt"     # the host's file in each checkpoint (not in the public API)
 
 
 def table_total(state):
@@ -381,11 +384,8 @@ def table_total(state):
 
 
 def test_counts_survive_checkpoint_and_resume(tmp_path):
-    from trl_credit.trainer import STATE_FILE
-
     Snapshot.tables = []
-    trainer = make_trainer(tmp_path, 2, save_strategy="steps", save_steps=2)
-    trainer.train()
+    trainer = train_tiny(PLUGINS, output_dir=tmp_path, save_strategy="steps", save_steps=2)
     assert trainer.state.global_step == 2
     logs = [e for e in trainer.state.log_history if "trl_credit/outcome_exploration/bonus" in e]
     assert len(logs) == 2
@@ -395,14 +395,14 @@ def test_counts_survive_checkpoint_and_resume(tmp_path):
     assert Snapshot.tables == [(0, {"version": 1, "table": []})]
 
     checkpoint = tmp_path / "checkpoint-2"
-    saved = torch.load(checkpoint / STATE_FILE, weights_only=False)["plugins"]["outcome_exploration"]
+    saved = torch.load(checkpoint / STATE_FILE, weights_only=True)["plugins"]["outcome_exploration"]
     live = trainer.credit_plugins.plugins[0].instance
     assert saved == live.state_dict()
     assert table_total(saved) == 16                        # 2 steps x 2 prompts x 4 completions
     assert all(isinstance(key, int) and 0 <= key < 32 for key, _ in saved["table"])   # dataset rows
 
     Snapshot.tables = []
-    resumed = make_trainer(tmp_path / "resumed", 4, save_strategy="no")
+    resumed = train_tiny(PLUGINS, output_dir=tmp_path / "resumed", train=False, max_steps=4)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
     # the table was loaded before training went on: at train begin it equals the saved one

@@ -8,11 +8,8 @@ import pytest
 import torch
 from trl_credit_p_grpo import PosteriorGRPO, gated_process_reward
 
-from trl_credit import hookimpl
-from trl_credit.builtin import grpo_advantages
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError, completion_text, grpo_advantages, hookimpl
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 NAN = None  # make_batch turns None into NaN
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
@@ -118,12 +115,11 @@ def test_single_completion_per_group_and_all_constant():
 
 # ------------------------------------------------------------------------- config
 def test_missing_column_is_named():
-    plugins = plugin_set(PosteriorGRPO, {}, name="p_grpo")
-    with pytest.raises(ConfigError, match=r"p_grpo.*reward column 'process_reward'"):
-        check_reward_columns(plugins, ["accuracy_reward", "format"])
-    with pytest.raises(ConfigError, match=r"reward column 'fmt'"):
-        check_reward_columns(plugin_set(PosteriorGRPO, {"format_reward": "fmt"}), NAMES)
-    check_reward_columns(plugins, NAMES)
+    with pytest.raises(ConfigError, match=r"\(p_grpo\).*reward column 'process_reward'"):
+        check_args(PosteriorGRPO, reward_names=["accuracy_reward", "format"])
+    with pytest.raises(ConfigError, match=r"\(p_grpo\).*reward column 'fmt'"):
+        check_args(PosteriorGRPO, {"format_reward": "fmt"}, reward_names=NAMES)
+    check_args(PosteriorGRPO, reward_names=NAMES, per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(PluginRuntimeError, match="no reward column 'process_reward'"):
         run_plugin(PosteriorGRPO, make_batch([1, 0], 2, reward_names=["accuracy_reward"]))
 
@@ -165,13 +161,6 @@ class Spy:
 
 
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import completion_text
-
     raw = {"outcome": [], "process": []}
 
     def outcome(completions, **kwargs):        # deterministic: every other completion is "correct"
@@ -184,14 +173,8 @@ def test_training_run(tmp_path):
         raw["process"].append(values)
         return values
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[outcome, process], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "p_grpo", "outcome_reward": "outcome", "process_reward": "process"},
-                                         Spy])
-    trainer.train()
+    trainer = train_tiny([{"name": "p_grpo", "outcome_reward": "outcome", "process_reward": "process"}, Spy],
+                         output_dir=tmp_path, reward_funcs=[outcome, process])
     assert trainer.state.global_step == 2
     spy = trainer.credit_plugins.plugins[1].instance
     assert len(spy.seen) == 2 == len(raw["outcome"])

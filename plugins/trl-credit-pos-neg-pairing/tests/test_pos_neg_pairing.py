@@ -7,10 +7,15 @@ import pytest
 import torch
 from trl_credit_pos_neg_pairing import FILL_MASS, PosNegPairing, select_pairs
 
-from trl_credit.batch import PromptStats
-from trl_credit.config import ConfigError
-from trl_credit.sampler import CurriculumSampler
-from trl_credit.testing import check_plugin, plugin_set, run_curriculum
+from trl_credit import ConfigError, PromptStats
+from trl_credit.testing import (
+    check_plugin,
+    difficulty_reward,
+    plugin_set,
+    run_curriculum,
+    tiny_dataset,
+    train_tiny,
+)
 
 
 def stats_for(rates, prompts_per_batch=2, seen=10, last_step=None):
@@ -111,7 +116,9 @@ def test_host_sampler_draws_the_pair_and_fills_from_unseen():
     pipeline_weights = run_curriculum(PosNegPairing, s)
     fills = set()
     for seed in range(30):
-        drawn = CurriculumSampler(15, 3, 1, 1, seed, lambda: pipeline_weights).draw()
+        # the host's draw: k distinct prompts from the weights (the real sampler: the training runs below)
+        generator = torch.Generator().manual_seed(seed * 1_000_003)
+        drawn = torch.multinomial(pipeline_weights, 3, replacement=False, generator=generator).tolist()
         assert {0, 1} <= set(drawn)
         fills |= set(drawn) - {0, 1}
     assert fills <= set(range(5, 15)) and len(fills) >= 6
@@ -143,30 +150,27 @@ def stand_in_reward(log):
     passes (1.0) iff its position in its group of G = 4 is below PASS_RATE[d] * 4, so difficulty-1
     rows pass 3 of 4 times (easy but brittle: q-), difficulty-3 rows 1 of 4 (hard but solvable: q+)
     and difficulty-2 rows 2 of 4 (neither). Each call appends its groups' dataset rows to ``log``."""
-    from trl_credit.testing import difficulty_reward
-
     return difficulty_reward(PASS_RATE, G, log, index_column="row")
 
 
-def arithmetic():
-    """32 rows: difficulty 1 (8 rows: one-digit sums), 2 (20), 3 (4), plus a ``row`` column."""
-    from trl_credit.app.data import make_arithmetic
+#: difficulty of each of the 32 rows (8 of level 1, 20 of level 2, 4 of level 3): the levels of the
+#: arithmetic set these runs were written on, kept so that their draws and expectations stay the same
+DIFFICULTY = [1, 2, 2, 2, 2, 2, 2, 1, 3, 2, 1, 2, 1, 1, 2, 3, 3, 2, 2, 2, 2, 1, 2, 3, 2, 2, 2, 1, 2, 1, 2, 2]
 
-    data = make_arithmetic(n=32, seed=0, max_value=12, ops="+*")
+
+def arithmetic():
+    """`tiny_dataset` (32 rows) with the ``difficulty`` levels of `DIFFICULTY` and a ``row`` column.
+
+    The stand-in reward reads only ``difficulty`` and the sampler only the statistics, so the prompts'
+    text plays no part in which rows are drawn."""
+    data = tiny_dataset(32, seed=0).remove_columns("difficulty").add_column("difficulty", DIFFICULTY)
     return data.add_column("row", list(range(len(data))))
 
 
 def make_trainer(tmp_path, plugins, log):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing.tiny import tiny_model_path
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=G,
-                      max_completion_length=4, max_steps=6, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1, seed=0, disable_tqdm=True)
-    return CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=stand_in_reward(log), args=args,
-                             train_dataset=arithmetic(), plugins=plugins)
+    return train_tiny(plugins, output_dir=tmp_path, reward_funcs=stand_in_reward(log), dataset=arithmetic(),
+                      max_steps=6, train=False, per_device_train_batch_size=16, num_generations=G,
+                      max_completion_length=4, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,17 @@ from trl_credit_prm_clip_delta import (
     reward_to_go,
 )
 
-from trl_credit.builtin import grpo_advantages
-from trl_credit.config import ConfigError, build_plugins
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, grpo_advantages, hookimpl
+from trl_credit.testing import (
+    answer_reward,
+    check_args,
+    check_plugin,
+    make_batch,
+    plugin_set,
+    run_plugin,
+    tiny_model_path,
+    train_tiny,
+)
 
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
 R = [0.9, 0.7, 0.8, 0.2]
@@ -88,9 +96,7 @@ def test_group_normalize_steps():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from trl_credit.testing.tiny import local_tokenizer_path
-
-    return AutoTokenizer.from_pretrained(local_tokenizer_path())
+    return AutoTokenizer.from_pretrained(tiny_model_path())
 
 
 def text_batch(tokenizer, texts, rewards, num_generations, **kwargs):
@@ -98,10 +104,8 @@ def text_batch(tokenizer, texts, rewards, num_generations, **kwargs):
     ids = [tokenizer.encode(x, add_special_tokens=False) + [tokenizer.eos_token_id] for x in texts]
     width = max(len(i) for i in ids)
     mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
-    batch = make_batch(rewards, num_generations, completion_ids=ids, completion_mask=mask, completions=texts,
-                       pad_token_id=tokenizer.pad_token_id, reward_names=["arithmetic_accuracy"], **kwargs)
-    batch.tokenizer = tokenizer
-    return batch
+    return make_batch(rewards, num_generations, completion_ids=ids, completion_mask=mask, completions=texts,
+                      tokenizer=tokenizer, reward_names=["answer_reward"], **kwargs)
 
 
 def expected_token_steps(tokenizer, text, ids, n):
@@ -160,7 +164,7 @@ def test_token_advantage_is_outcome_plus_reward_to_go_of_its_step(tokenizer, mod
 
 def test_sequence_and_token_advantages_both_accepted(tokenizer):
     batch = text_batch(tokenizer, TEXTS[:2], [1.0, 0.0], num_generations=2)
-    plugin = PRMClipDelta(PRMClipDelta.Config(scorer=SCORER, mode="clip"))
+    plugin = plugin_set(PRMClipDelta, {"scorer": SCORER, "mode": "clip"}).plugins[0].instance
     seq = plugin.transform_advantages(batch, t([0.5, -0.5]))
     tok = plugin.transform_advantages(batch, t([0.5, -0.5])[:, None].expand_as(batch.completion_ids).clone())
     torch.testing.assert_close(seq, tok)
@@ -218,13 +222,22 @@ def test_single_completion_groups(tokenizer):
     assert (result.advantages[1, n1:] == 0).all()
 
 
+class DropsConstantGroups(PRMClipDelta):
+    """PRMClipDelta behind a filter that drops every group whose rewards are all equal (as dynamic sampling)."""
+
+    name = "prm_clip_delta"
+
+    @hookimpl
+    def filter_rollouts(self, batch):
+        r = batch.grouped(batch.total_reward())
+        return r.max(dim=1).values > r.min(dim=1).values
+
+
 def test_hook_sees_the_kept_rows_only(tokenizer):
     texts = ["s=0.9 a\ns=0.1 b", "s=0.2 c", "s=0.4 d", "s=0.8 e\ns=0.3 f"]
-    # group 0 has constant rewards and is dropped by dynamic sampling; group 1 is kept
+    # group 0 has constant rewards and is dropped by the filter; group 1 is kept
     batch = text_batch(tokenizer, texts, [1.0, 1.0, 1.0, 0.0], num_generations=2)
-    plugins = build_plugins([{"name": "dynamic_sampling", "refill": False},
-                             {"name": "prm_clip_delta", "scorer": SCORER, "mode": "delta"}])
-    result = run_plugin("prm_clip_delta", batch, plugins=plugins)
+    result = run_plugin(DropsConstantGroups, batch, {"scorer": SCORER, "mode": "delta"})
     assert result.keep.tolist() == [False, False, True, True]
     assert (result.advantages[:2] == 0).all()
     outcome = grpo_advantages(t([[1.0], [0.0]]), t([1.0]), 2, "group", "sum_then_normalize")
@@ -249,6 +262,21 @@ def test_config_errors():
         plugin_set(PRMClipDelta, {"mode": "clipped"})
     with pytest.raises(ConfigError, match="last"):
         plugin_set(PRMClipDelta, {"last": "drop"})
+
+
+GRPO_ARGS = {"per_device_train_batch_size": 8, "num_generations": 4}
+
+
+def test_check_args_scorer_kwargs_the_scorer_does_not_take():
+    with pytest.raises(ConfigError) as info:
+        check_args(PRMClipDelta, {"scorer_kwargs": {"neutrall": 0.5}}, **GRPO_ARGS)
+    message = str(info.value)
+    assert "plugins[0] (prm_clip_delta): scorer_kwargs:" in message and "'neutrall'" in message
+    assert "fix: pass only keyword options the scorer takes" in message and "neutral=0.0" in message
+    with pytest.raises(ConfigError, match=r"\(prm_clip_delta\): scorer_kwargs: .*fix: pass only keyword options"):
+        check_args(PRMClipDelta, {"scorer": SCORER, "scorer_kwargs": {"scale": 2}}, **GRPO_ARGS)
+    check_args(PRMClipDelta, {"scorer_kwargs": {"neutral": 0.5}}, **GRPO_ARGS)
+    check_args(PRMClipDelta, {"scorer": SCORER}, **GRPO_ARGS)
 
 
 def test_scorer_errors_name_the_scorer(tokenizer):
@@ -285,20 +313,7 @@ def test_contract(tokenizer):
 
 # ------------------------------------------------------------------------- a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "prm_clip_delta", "eta": 0.5}])
-    trainer.train()
+    trainer = train_tiny([{"name": "prm_clip_delta", "eta": 0.5}], output_dir=tmp_path, reward_funcs=[answer_reward])
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2

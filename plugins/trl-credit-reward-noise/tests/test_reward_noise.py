@@ -11,15 +11,16 @@ import pytest
 import torch
 from trl_credit_reward_noise import RewardNoise, flip_draws
 
-from trl_credit import hookimpl
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
+from trl_credit import ConfigError, PluginRuntimeError, hookimpl
 from trl_credit.testing import (
+    answer_reward,
+    check_args,
     check_plugin,
     edge_case_batches,
     make_batch,
     plugin_set,
     run_plugin,
+    train_tiny,
 )
 
 NAN = None
@@ -136,9 +137,9 @@ def test_draws_change_with_seed_step_round_and_prompts():
 
 # ------------------------------------------------------------------------- config and contract
 def test_missing_column_and_bad_options():
-    plugins = plugin_set(RewardNoise, {"column": "acc"}, name="reward_noise")
-    with pytest.raises(ConfigError, match=r"reward_noise.*reward column 'acc'.*\['accuracy'\]"):
-        check_reward_columns(plugins, ["accuracy"])
+    with pytest.raises(ConfigError, match=r"\(reward_noise\).*reward column 'acc'.*\['accuracy'\]"):
+        check_args(RewardNoise, {"column": "acc"}, reward_names=["accuracy"])
+    check_args(RewardNoise, reward_names=["accuracy"])                     # the first column: nothing named
     with pytest.raises(PluginRuntimeError, match="no reward column 'acc'"):
         run_plugin(RewardNoise, make_batch([1, 0], 2), {"column": "acc"})
     for options, key in (({"p": 1.5}, "p"), ({"low": 1.0}, "low and high"), ({"unit": "batch"}, "unit"),
@@ -162,28 +163,13 @@ class Observer:
 
     @hookimpl
     def on_batch_end(self, batch, advantages):
-        from trl_credit.app.rewards import arithmetic_accuracy
-
-        clean = arithmetic_accuracy(batch.completions, batch.column("answer"))
-        Observer.seen.append((batch.reward("arithmetic_accuracy").tolist(), clean))
+        clean = answer_reward(batch.completions, batch.column("answer"))
+        Observer.seen.append((batch.reward("answer_reward").tolist(), clean))
 
 
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
     Observer.seen.clear()
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "reward_noise", "p": 1.0, "unit": "completion"}, Observer])
-    trainer.train()
+    trainer = train_tiny([{"name": "reward_noise", "p": 1.0, "unit": "completion"}, Observer], output_dir=tmp_path)
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "trl_credit/reward_noise/flipped_fraction" in entry]
     assert len(logs) == 2

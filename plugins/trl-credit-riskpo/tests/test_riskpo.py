@@ -8,9 +8,17 @@ import math
 import pytest
 import torch
 
-from trl_credit.config import ConfigError
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, edge_case_batches, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError
+from trl_credit.testing import (
+    answer_reward,
+    check_args,
+    check_plugin,
+    edge_case_batches,
+    make_batch,
+    plugin_set,
+    run_plugin,
+    train_tiny,
+)
 from trl_credit_riskpo import TRACKER_LEVELS, RiskPO
 
 TIGHT = dict(rtol=1e-5, atol=1e-6)
@@ -166,6 +174,49 @@ def test_group_count_not_a_multiple_of_bundle_size():
         run(VECTOR_REWARDS, bundle_size=5)
 
 
+# ------------------------------------------------------------------------- check_args
+def test_check_args_groups_per_batch_must_be_a_multiple_of_bundle_size():
+    # 8 completions of 4 = 2 groups per generation batch; the default bundle_size is 5
+    with pytest.raises(ConfigError) as error:
+        check_args(RiskPO, per_device_train_batch_size=8, num_generations=4)
+    message = str(error.value)
+    assert "plugins[0] (riskpo): bundle_size: a generation batch holds 2 prompt groups" in message
+    assert "generation_batch_size=8 / num_generations=4), not a multiple of bundle_size=5" in message
+    assert ("fix: make per_device_train_batch_size * num_processes * steps_per_generation (= generation_batch_size, "
+            "now 8) a multiple of bundle_size * num_generations = 20, or set bundle_size to a divisor of 2") in message
+    with pytest.raises(ConfigError, match=r"\(riskpo\): bundle_size: a generation batch holds 3 prompt groups"):
+        check_args(RiskPO, {"bundle_size": 2}, per_device_train_batch_size=12, num_generations=4)
+    # multiples pass: 2 groups in bundles of 2; 8 x 5 steps_per_generation = 40 = 10 groups in bundles of 5
+    check_args(RiskPO, {"bundle_size": 2}, per_device_train_batch_size=8, num_generations=4)
+    check_args(RiskPO, per_device_train_batch_size=8, num_generations=4, steps_per_generation=5)
+    check_args(RiskPO, {"bundle_size": 1}, per_device_train_batch_size=12, num_generations=4)
+
+
+def test_check_args_rejects_a_filter_that_drops_groups():
+    with pytest.raises(ConfigError) as error:
+        check_args(RiskPO, {"bundle_size": 2}, others=["dynamic_sampling"], per_device_train_batch_size=8,
+                   num_generations=4)
+    message = str(error.value)
+    assert "plugins[0] (riskpo): bundle_size: bundles of 2 consecutive prompt groups need every group" in message
+    assert "plugins[1] (dynamic_sampling) filters rollouts" in message
+    assert "fix: remove plugins[1] (dynamic_sampling) from plugins:, or set bundle_size: 1" in message
+    # without refill too (mode filter): a dropped group still leaves the estimator's batch
+    with pytest.raises(ConfigError, match=r"plugins\[1\] \(dynamic_sampling\) filters rollouts"):
+        check_args(RiskPO, {"bundle_size": 2}, others=[{"name": "dynamic_sampling", "mode": "filter"}],
+                   per_device_train_batch_size=8, num_generations=4)
+    # bundles of one group are the groups themselves: a filter cannot break them
+    check_args(RiskPO, {"bundle_size": 1}, others=["dynamic_sampling"], per_device_train_batch_size=8,
+               num_generations=4)
+
+
+def test_check_args_lists_both_problems():
+    with pytest.raises(ConfigError) as error:
+        check_args(RiskPO, {"bundle_size": 3}, others=["dynamic_sampling"], per_device_train_batch_size=8,
+                   num_generations=4)
+    assert len(error.value.problems) == 2
+    assert all(p.startswith("plugins[0] (riskpo): bundle_size: ") for p in error.value.problems)
+
+
 @pytest.mark.parametrize("options, key", [({"alpha": 0.8, "beta": 0.2}, "alpha"), ({"bundle_size": 0}, "bundle_size"),
                                           ({"credit": "score"}, "credit"), ({"w_mix": 1.5}, "w_mix"),
                                           ({"beta": 1.0}, "beta")])
@@ -183,20 +234,25 @@ def test_contract():
 
 
 # ------------------------------------------------------------------------- quantile tracker
+def enabled(**config):
+    """A RiskPO instance registered as the host registers it (so that it can log metrics)."""
+    return plugin_set(RiskPO, config).plugins[0].instance
+
+
 def tracker_step(plugin, rewards, g=4):
     batch = make_batch(rewards, num_generations=g)
     return plugin.compute_advantages(batch), batch
 
 
 def test_tracker_updates_and_leaves_advantages_alone():
-    plugin = RiskPO(RiskPO.Config(bundle_size=2, track_quantiles=True))
+    plugin = enabled(bundle_size=2, track_quantiles=True)
     assert plugin.state_dict()["tracked"] is None
     adv, batch = tracker_step(plugin, VECTOR_REWARDS)
     torch.testing.assert_close(adv, run(VECTOR_REWARDS).advantages)
     levels = torch.tensor(TRACKER_LEVELS)
     S = torch.tensor([2.0, 1.0, 1.0, 0.0])
     torch.testing.assert_close(plugin.tracked, torch.quantile(S, levels), **TIGHT)   # first batch: empirical
-    assert batch.metrics["host/tracked_q_lo"] == [pytest.approx(0.6, abs=1e-6)]     # level 0.2
+    assert batch.metrics["riskpo/tracked_q_lo"] == [pytest.approx(0.6, abs=1e-6)]     # level 0.2
     first = plugin.tracked.clone()
     tracker_step(plugin, [1, 1, 1, 0, 1, 1, 1, 1])                                   # S = [2, 2, 2, 1]
     below = (torch.tensor([2.0, 2.0, 2.0, 1.0]).unsqueeze(0) < first.unsqueeze(1)).float().mean(1)
@@ -207,21 +263,21 @@ def test_tracker_updates_and_leaves_advantages_alone():
 
 def test_tracker_state_round_trip(tmp_path):
     batches = [VECTOR_REWARDS, [1, 1, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 0, 0, 0], [1] * 8]
-    config = RiskPO.Config(bundle_size=2, track_quantiles=True, lr_q=0.3)
-    a = RiskPO(config)
+    config = dict(bundle_size=2, track_quantiles=True, lr_q=0.3)
+    a = enabled(**config)
     for rewards in batches[:2]:
         tracker_step(a, rewards)
     path = tmp_path / "state.pt"
     torch.save(a.state_dict(), path)                                 # as the host saves it
-    b = RiskPO(config)
-    b.load_state_dict(torch.load(path, weights_only=False))
+    b = enabled(**config)
+    b.load_state_dict(torch.load(path, weights_only=True))
     assert torch.equal(b.tracked, a.tracked) and b.tracked is not a.tracked
     for rewards in batches[2:]:
         tracker_step(a, rewards)
         tracker_step(b, rewards)
     assert torch.equal(a.tracked, b.tracked)
-    fresh = RiskPO(config)
-    fresh.load_state_dict(RiskPO(config).state_dict())               # an untouched tracker stays empty
+    fresh = enabled(**config)
+    fresh.load_state_dict(enabled(**config).state_dict())               # an untouched tracker stays empty
     assert fresh.tracked is None
 
 
@@ -233,13 +289,6 @@ def test_tracker_off_logs_no_tracked_metrics():
 
 # ------------------------------------------------------------------------- a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
     calls = itertools.count()
 
     def alternating(completions, **kwargs):
@@ -247,13 +296,8 @@ def test_training_run(tmp_path):
         step = next(calls)
         return [float((i + step) % 3 == 0) for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy, alternating],
-                                args=args, train_dataset=make_arithmetic(n=64, seed=0),
-                                plugins=[{"name": "riskpo", "bundle_size": 2, "track_quantiles": True}])
-    trainer.train()
+    trainer = train_tiny([{"name": "riskpo", "bundle_size": 2, "track_quantiles": True}], output_dir=tmp_path,
+                         reward_funcs=[answer_reward, alternating])
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == 2 and len(logs) == 2
     for entry in logs:

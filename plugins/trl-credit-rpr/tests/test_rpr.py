@@ -18,9 +18,8 @@ from trl_credit_rpr import (
     thinking_span,
 )
 
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError
+from trl_credit.testing import answer_reward, check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 # methods.md 2.10, written out again here as the spec (order, typo and trailing spaces included)
 SPEC_PHRASES = [
@@ -201,9 +200,10 @@ def test_calibrate_a_noisy_column():
 
 
 def test_missing_target_column():
-    plugins = plugin_set(ReasoningPatternReward, {"combine": "calibrate", "target": "rm"}, name="rpr")
-    with pytest.raises(ConfigError, match=r"rpr.*reward column 'rm'.*\['accuracy'\]"):
-        check_reward_columns(plugins, ["accuracy"])
+    with pytest.raises(ConfigError, match=r"\(rpr\).*reward column 'rm'.*\['accuracy'\]"):
+        check_args(ReasoningPatternReward, {"combine": "calibrate", "target": "rm"}, reward_names=["accuracy"])
+    check_args(ReasoningPatternReward, {"combine": "calibrate", "target": "rm"}, reward_names=["accuracy", "rm"],
+               per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(PluginRuntimeError, match="no reward column 'rm'"):
         run_plugin(ReasoningPatternReward, rpr_batch(), {"combine": "calibrate", "target": "rm"})
     assert plugin_set(ReasoningPatternReward).plugins[0].instance.required_rewards() == []
@@ -234,21 +234,9 @@ def test_contract():
 
 # ------------------------------------------------------------------------- a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
     # "" occurs in every text, so every completion scores at least 1/2 (8 tokens: no 20-gram repeats)
     plugin = {"name": "rpr", "phrases": ["", "wait", "the"], "full_score_phrases": 2.0, "user_marker": None}
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0), plugins=[plugin])
-    trainer.train()
+    trainer = train_tiny([plugin], output_dir=tmp_path, reward_funcs=[answer_reward])
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "trl_credit/rpr/mean" in entry]
     assert len(logs) == 2

@@ -8,11 +8,8 @@ import pytest
 import torch
 from trl_credit_trust_grpo import TrustGRPO, trust_thinking_reward
 
-from trl_credit import hookimpl
-from trl_credit.builtin import grpo_advantages
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError, completion_text, grpo_advantages, hookimpl
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 NAN = None  # make_batch turns None into NaN
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
@@ -156,10 +153,10 @@ def test_single_completion_per_group():
 
 # ------------------------------------------------------------------------- config
 def test_missing_column_is_named():
-    plugins = plugin_set(TrustGRPO, {}, name="trust_grpo")
-    assert plugins.plugins[0].instance.required_rewards() == NAMES
-    with pytest.raises(ConfigError, match=r"trust_grpo.*reward column 'thinking_reward'"):
-        check_reward_columns(plugins, ["accuracy_reward"])
+    assert plugin_set(TrustGRPO).plugins[0].instance.required_rewards() == NAMES
+    with pytest.raises(ConfigError, match=r"\(trust_grpo\).*reward column 'thinking_reward'"):
+        check_args(TrustGRPO, reward_names=["accuracy_reward"])
+    check_args(TrustGRPO, reward_names=NAMES, per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(PluginRuntimeError, match="no reward column 'thinking_reward'"):
         run_plugin(TrustGRPO, make_batch([1, 0], 2, reward_names=["accuracy_reward"]))
 
@@ -200,13 +197,6 @@ class Spy:
 
 
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import completion_text
-
     raw = {"answer": [], "thinking": []}
 
     def answer(completions, **kwargs):         # deterministic: two correct, two wrong per group of 4
@@ -219,13 +209,8 @@ def test_training_run(tmp_path):
         raw["thinking"].append(values)
         return values
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
     plugin = {"name": "trust_grpo", "answer_reward": "answer", "thinking_reward": "thinking", "T": 1.0}
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[answer, thinking], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0), plugins=[plugin, Spy])
-    trainer.train()
+    trainer = train_tiny([plugin, Spy], output_dir=tmp_path, reward_funcs=[answer, thinking])
     assert trainer.state.global_step == 2
     spy = trainer.credit_plugins.plugins[1].instance
     assert [step for step, *_ in spy.seen] == [0, 1]

@@ -13,8 +13,9 @@ Rule (``r_i`` = the tested reward of completion ``i``, ``thr`` the pass threshol
 
 A group with no finite reward has no accuracy and is dropped (with ``nan_counts_as_fail`` every NaN
 reward counts as a failure instead, so such a group has accuracy 0). With ``refill`` the host draws
-further generation batches (at most ``max_refill_rounds`` extra ones) until the batch holds as many
-kept groups as one generation batch has groups.
+further generation batches (at most ``max_refill_rounds`` extra ones and, with ``max_refill_tokens``,
+no new one once the refill rounds have generated that many completion tokens) until the batch holds
+as many kept groups as one generation batch has groups.
 
 Source: official code ``PRIME-RL/PRIME@18ad596f`` ``training/examples/run_prime_main.sh``
 (``data.filter_accuracy=True``, ``data.accuracy_lower_bound=0.2``, ``data.accuracy_upper_bound=0.8``,
@@ -30,7 +31,8 @@ threshold turns a score into pass/fail and is **not established**); ``metric = N
 total reward; set it to the accuracy column to test exactly PRIME's ``acc``); ``refill = True`` and
 ``max_refill_rounds = 3`` (PRIME over-samples without a round cap, its examples use
 ``oversample_factor`` 1 to 4, verl's PRIME recipe 4; one refill round here is one generation batch,
-so 3 extra rounds are at most 4x a step's generation: **our choice**).
+so 3 extra rounds are at most 4x a step's generation: **our choice**); ``max_refill_tokens = None``
+(no token budget; PRIME has none).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, Refill, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["AccuracyBand", "group_accuracy"]
 
@@ -66,7 +68,7 @@ def group_accuracy(grouped: torch.Tensor, threshold: float, nan_counts_as_fail: 
     return acc.masked_fill(count == 0, float("nan"))
 
 
-class AccuracyBand:
+class AccuracyBand(Plugin):
     """PRIME accuracy filter: keep group g iff low <= mean_g 1[r >= threshold] <= high; refill the batch."""
 
     class Config(BaseModel):
@@ -105,6 +107,12 @@ class AccuracyBand:
             description="extra generation rounds per step at most (PRIME: no cap, oversample_factor 1-4 "
             "per round); each round costs one generation batch",
         )
+        max_refill_tokens: int | None = Field(
+            None, ge=0,
+            description="budget of extra generated completion tokens (all processes) that refill may spend "
+            "per optimiser batch: no new refill round starts once it is reached (one round may overshoot; "
+            "logged as trl_credit/refill_budget_hit); None = no budget, only max_refill_rounds",
+        )
 
         @model_validator(mode="after")
         def _ordered(self) -> AccuracyBand.Config:
@@ -112,8 +120,12 @@ class AccuracyBand:
                 raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
             return self
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+    def refill(self) -> Refill | None:
+        """With ``refill``: up to ``max_refill_rounds`` extra rounds within ``max_refill_tokens``; else none."""
+        cfg = self.config
+        if not cfg.refill:
+            return None
+        return Refill(max_rounds=cfg.max_refill_rounds, max_tokens=cfg.max_refill_tokens)
 
     def required_rewards(self) -> list[str]:
         """The reward column the host must find among the reward functions (none for the total)."""
@@ -134,5 +146,5 @@ class AccuracyBand:
                 torch.isnan(acc),                                      # no reward at all
             ]).float().mean(dim=1).tolist()                            # one host sync
             for name, value in zip(("too_easy", "too_hard", "no_reward_groups"), stats):
-                batch.log_metric(name, value)
+                self.log_metric(batch, name, value)
         return keep

@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["DRPO", "drpo_advantages"]
 
@@ -101,7 +101,7 @@ def drpo_advantages(
     return torch.where(valid, adv, zero).reshape(-1)
 
 
-class DRPO:
+class DRPO(Plugin):
     """DRPO/DisCO: A_i = G*w_i (positives), A_j = -G*softmax_neg(s_j/tau) (negatives), 0 otherwise."""
 
     class Config(BaseModel):
@@ -138,7 +138,7 @@ class DRPO:
         )
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self._warned: set[str] = set()
 
     def required_rewards(self) -> list[str]:
@@ -150,14 +150,20 @@ class DRPO:
             self._warned.add(key)
             warnings.warn(f"drpo: {message}", stacklevel=3)
 
-    def _check_args(self, args: Any, strict: bool) -> None:
-        loss_type = getattr(args, "loss_type", None)
+    def check_args(self, run: RunInfo) -> None:
+        """The advantages are DRPO's gradient only under TRL's ``loss_type="grpo"`` aggregation."""
+        loss_type = getattr(run.args, "loss_type", None)
         if loss_type != "grpo":
-            message = (f"the advantages equal the DRPO gradient only with GRPOConfig(loss_type='grpo') "
-                       f"(per-sequence token mean, mean over sequences); got loss_type={loss_type!r}")
-            if strict:
-                raise ValueError(message)
-            self._warn_once("loss_type", message)
+            raise ConfigError.for_key(
+                "loss_type", f"the advantages equal the DRPO gradient only with loss_type 'grpo' (per-sequence "
+                f"token mean, mean over sequences); got {loss_type!r}", "set `loss_type: grpo` in the config")
+
+    def _warn_args(self, args: Any) -> None:
+        """Run-time warnings: settings that make the advantages an approximation (``check_args`` rejects the rest)."""
+        loss_type = getattr(args, "loss_type", None)
+        if loss_type != "grpo":  # only unit batches get here: a run with another loss_type fails check_args
+            self._warn_once("loss_type", f"the advantages equal the DRPO gradient only with "
+                            f"GRPOConfig(loss_type='grpo'); got loss_type={loss_type!r}")
         iterations = getattr(args, "num_iterations", 1)
         if iterations != 1:
             self._warn_once("num_iterations", f"num_iterations={iterations}: exact only for the first pass over a "
@@ -171,15 +177,11 @@ class DRPO:
                             "generation batch is on-policy, later ones are approximations")
 
     @hookimpl
-    def on_train_begin(self, trainer: Any) -> None:
-        self._check_args(trainer.args, strict=True)
-
-    @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         import torch
 
         cfg = self.config
-        self._check_args(batch.args, strict=False)
+        self._warn_args(batch.args)
         r = batch.reward(cfg.reward) if cfg.reward is not None else batch.total_reward()
         lengths = batch.completion_lengths
         nonempty = lengths > 0                       # an empty completion has no tokens to train
@@ -199,8 +201,8 @@ class DRPO:
             other = torch.zeros_like(nonempty)
         used = batch.grouped(a != 0).any(dim=1)
         stats = torch.stack([used.float().mean(), other.float().mean()]).tolist()  # one host sync
-        batch.log_metric("valid_groups", stats[0])
-        batch.log_metric("ignored_rewards", stats[1])
+        self.log_metric(batch, "valid_groups", stats[0])
+        self.log_metric(batch, "ignored_rewards", stats[1])
         if stats[1] > 0:
             self._warn_once("non_binary", "rewards other than 0 and 1 are ignored (official code); set "
                             "`threshold` to split non-binary rewards into positives and negatives")

@@ -15,8 +15,9 @@ objective. A group with no finite reward, or whose finite rewards are constant, 
 every group of a single completion (G = 1). Two modes:
 
 - ``replace`` (DAPO, verl's ``filter_groups``): the host draws further generation batches (at most
-  ``max_refill_rounds`` extra ones) until the number of kept groups reaches the number of groups of
-  one generation batch, so dropped groups are replaced by informative ones;
+  ``max_refill_rounds`` extra ones and, with ``max_refill_tokens``, no new one once the refill rounds
+  have generated that many completion tokens) until the number of kept groups reaches the number of
+  groups of one generation batch, so dropped groups are replaced by informative ones;
 - ``filter``: dropped groups are only masked (advantage 0, out of the loss and its normaliser); the
   step trains on the informative groups of the one generation batch, a smaller effective batch at
   no extra generation cost.
@@ -36,23 +37,21 @@ scripts use ``acc``); ``tolerance = 0.0`` (verl's ``std > 0``); ``mode = replace
 ``max_refill_rounds = 3`` (verl: config default 0 = unlimited, the DAPO-Qwen2.5-32B script 10
 generation batches of 3x the train batch; a round here is one train batch, and on a CPU every round
 costs about one step, so the cap is 4x a step's generation, enough whenever >= 25 % of groups are
-informative).
+informative); ``max_refill_tokens = None`` (no token budget: only the round cap bounds the cost).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, Refill, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["DynamicSampling", "group_range"]
 
@@ -67,7 +66,7 @@ def group_range(grouped: torch.Tensor) -> torch.Tensor:
     return high - low
 
 
-class DynamicSampling:
+class DynamicSampling(Plugin):
     """DAPO dynamic sampling: keep group g iff max_g r - min_g r > tolerance; refill the batch."""
 
     class Config(BaseModel):
@@ -94,6 +93,12 @@ class DynamicSampling:
             description="extra generation rounds per step at most (verl's max_num_gen_batches minus 1, "
             "there 10 batches of 3x the train batch); each round costs one generation batch",
         )
+        max_refill_tokens: int | None = Field(
+            None, ge=0,
+            description="budget of extra generated completion tokens (all processes) that refill may spend "
+            "per optimiser batch: no new refill round starts once it is reached (one round may overshoot; "
+            "logged as trl_credit/refill_budget_hit); None = no budget, only max_refill_rounds",
+        )
 
         @model_validator(mode="before")
         @classmethod
@@ -110,11 +115,15 @@ class DynamicSampling:
 
         @property
         def refill(self) -> bool:
-            """What the host reads: refill rounds are wanted (mode replace)."""
+            """Refill rounds are wanted (mode replace); the alias ``refill: true|false`` reads back."""
             return self.mode == "replace"
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+    def refill(self) -> Refill | None:
+        """Mode replace: refill rounds up to ``max_refill_rounds`` within ``max_refill_tokens``; filter: none."""
+        cfg = self.config
+        if cfg.mode != "replace":
+            return None
+        return Refill(max_rounds=cfg.max_refill_rounds, max_tokens=cfg.max_refill_tokens)
 
     def required_rewards(self) -> list[str]:
         """The reward column the host must find among the reward functions (none for the total)."""
@@ -141,5 +150,5 @@ class DynamicSampling:
             ~any_finite,                                               # no reward at all
         ]).float().mean(dim=1).tolist()                                # one host sync
         for name, value in zip(("constant_groups", "constant_high", "constant_low", "no_reward_groups"), stats):
-            batch.log_metric(name, value)
+            self.log_metric(batch, name, value)
         return keep

@@ -22,7 +22,7 @@ Implemented as a reward shaper: the correctness column (correct = value ``>= cor
 replaced by R_i; a NaN correctness stays NaN (an unscored completion gets no partial credit). The
 gold entities come from a dataset column holding a list of strings or one delimited string. The text
 searched is the completion: all assistant messages of a chat completion (``scope: assistant``) or
-only its last message (``scope: last``, ``trl_credit.app.rewards.completion_text``).
+only its last message (``scope: last``, ``trl_credit.completion_text``).
 
 Source: Zhao et al. 2025, "Repurposing Synthetic Data for Fine-grained Search Agent Supervision"
 (E-GRPO), arXiv 2510.24694. Reconstructed from the abstract (no official code located): "assigns
@@ -46,13 +46,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
-from trl_credit.app.rewards import completion_text
+from trl_credit import Plugin, completion_text, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["EntityGRPO", "compile_entities", "entity_match_rate", "normalize_text", "parse_entities", "trajectory_text"]
 
@@ -141,7 +140,7 @@ def entity_match_rate(text: str, gold: frozenset[str] | tuple[_Entity, ...]) -> 
     return hits / len(entities)
 
 
-class EntityGRPO:
+class EntityGRPO(Plugin):
     """E-GRPO: R = 1 if correct else alpha * |E_gold ∩ E_traj| / |E_gold| (entity-match partial credit).
 
     Replaces the correctness column with R; arXiv 2510.24694, reconstructed from the abstract.
@@ -178,9 +177,6 @@ class EntityGRPO:
             description="text searched in a chat completion: every assistant message (the trajectory's "
             "reasoning, tool outputs excluded) or only the last message",
         )
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def required_rewards(self) -> list[str]:
         """The correctness column."""
@@ -227,8 +223,8 @@ class EntityGRPO:
                 ((gamma > 0).to(a.dtype) * wrong).sum() / n_wrong.clamp(min=1),    # wrong ones with any credit
                 n_wrong,
             ]).tolist()                                                             # one host sync
-            batch.log_metric("match_rate", stats[0])
+            self.log_metric(batch, "match_rate", stats[0])
             if stats[3] > 0:
-                batch.log_metric("partial_credit", stats[1])
-                batch.log_metric("credited_wrong", stats[2])
+                self.log_metric(batch, "partial_credit", stats[1])
+                self.log_metric(batch, "credited_wrong", stats[2])
         return {c.correct_reward: r}

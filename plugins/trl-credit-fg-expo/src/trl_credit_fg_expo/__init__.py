@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import PromptStats, RolloutBatch
+    from trl_credit import PromptStats, RolloutBatch
 
 __all__ = ["FGExPO", "akl_beta", "gcs_weights"]
 
@@ -66,7 +66,7 @@ def akl_beta(acc: float, beta_min: float, beta_max: float, k: float, c: float) -
     return beta_min + (beta_max - beta_min) * s
 
 
-class FGExPO:
+class FGExPO(Plugin):
     """FG-ExPO: w_q ∝ exp(-(p̂_q - μ)²/(2σ²)) prompt curriculum and β_t = β_min + Δβ·sigmoid(k(acc - c)).
 
     Reconstructed from the abstract of arXiv 2605.11403; σ, the accuracy prior, the floor and every
@@ -109,7 +109,7 @@ class FGExPO:
             return self
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self.last_accuracy = self.config.c  # used when a batch has no countable completion
         self._effective_fraction: float | None = None
 
@@ -167,15 +167,15 @@ class FGExPO:
             acc = self.last_accuracy
         self.last_accuracy = acc
         beta = akl_beta(acc, cfg.beta_min, cfg.beta_max, cfg.k, cfg.c)
-        batch.log_metric("accuracy", acc)
-        batch.log_metric("beta", beta)
+        self.log_metric(batch, "accuracy", acc)
+        self.log_metric(batch, "beta", beta)
         return beta
 
     @hookimpl
     def on_batch_end(self, batch: RolloutBatch) -> None:
         if self.config.gcs and self._effective_fraction is not None:
             # (Σw)² / Σw² / P: 1 = uniform; small = the curriculum concentrates on few prompts
-            batch.log_metric("gcs_effective_fraction", self._effective_fraction)
+            self.log_metric(batch, "gcs_effective_fraction", self._effective_fraction)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
-from trl_credit import hookimpl
-from trl_credit.steps import StepConfig
+from trl_credit import ConfigError, Plugin, StepConfig, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch, RunInfo
 
 __all__ = ["GatedRewardAccumulation", "gated_accumulation"]
 
@@ -60,7 +59,30 @@ def gated_accumulation(outcome: Any, step_rewards: Any, tau: float = 1.0, weight
     return torch.where(gate, weight * s, torch.zeros_like(s))
 
 
-class GatedRewardAccumulation:
+def _scorer_kwargs_problems(config: StepConfig) -> list[str]:
+    """``ConfigError`` lines when the step scorer's signature does not take ``config.scorer_kwargs``
+    (a call ``scorer(prompts, completions, steps, columns, **scorer_kwargs)`` would raise TypeError)."""
+    import inspect
+
+    from trl_credit import resolve_step_scorer
+
+    func = resolve_step_scorer(config.scorer)
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the first batch tells
+        return []
+    try:
+        signature.bind([], [], [], {}, **config.scorer_kwargs)
+    except TypeError as exc:
+        plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                  return_annotation=signature.empty)
+        return ConfigError.for_key(
+            "scorer_kwargs", f"step scorer {config.scorer!r} cannot be called with {config.scorer_kwargs} ({exc})",
+            f"pass only keyword options the scorer takes; its signature is {plain}").problems
+    return []
+
+
+class GatedRewardAccumulation(Plugin):
     """G-RA: ``R = R_out + 1[R_out >= tau] * sum_k r_k`` (step rewards from a step scorer)."""
 
     class Config(StepConfig):
@@ -89,18 +111,28 @@ class GatedRewardAccumulation:
                 raise ValueError("append_column must differ from the outcome column (omit it to replace)")
             return self
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     def required_rewards(self) -> list[str]:
         """The outcome column the host must find among the reward functions."""
         return [self.config.outcome]
+
+    def check_args(self, run: RunInfo) -> None:
+        """Refuse ``scorer_kwargs`` the step scorer does not take, and an ``append_column`` that a reward
+        function already produces (the gated term would overwrite that column instead of being appended)."""
+        c = self.config
+        problems = _scorer_kwargs_problems(c)
+        if c.append_column is not None and c.append_column in run.reward_names:
+            problems += ConfigError.for_key(
+                "append_column", f"{c.append_column!r} is already a reward column (reward functions: "
+                f"{list(run.reward_names)}), so the gated term would overwrite it",
+                "name a new column, or omit append_column to add the term to the outcome column").problems
+        if problems:
+            raise ConfigError(problems)
 
     @hookimpl
     def shape_rewards(self, batch: RolloutBatch) -> dict[str, Any]:
         import torch
 
-        from trl_credit.steps import step_scores
+        from trl_credit import step_scores
 
         c = self.config
         outcome = batch.reward(c.outcome)
@@ -113,9 +145,9 @@ class GatedRewardAccumulation:
         gated = gated_accumulation(outcome, s, c.tau, c.process_weight)
         if outcome.numel():
             open_ = (outcome >= c.tau).float()
-            batch.log_metric("gate_open", open_.mean().item())
-            batch.log_metric("step_reward", s.mean().item())
-            batch.log_metric("gated_bonus", gated.mean().item())
+            self.log_metric(batch, "gate_open", open_.mean().item())
+            self.log_metric(batch, "step_reward", s.mean().item())
+            self.log_metric(batch, "gated_bonus", gated.mean().item())
         if c.append_column is not None:
             return {c.append_column: gated}
         return {c.outcome: outcome + gated}  # NaN outcomes stay NaN (their gated term is 0)

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["GrpoLambda", "kimi_length_reward", "select_groups"]
 
@@ -91,7 +91,7 @@ def select_groups(ratio: torch.Tensor, selection: str, fraction: float, ratio_th
     return top & eligible
 
 
-class GrpoLambda:
+class GrpoLambda(Plugin):
     """GRPO-lambda (reconstructed): the top-lambda groups by correctness ratio get R = 1[correct] + Kimi
     length reward; every other group keeps its 0/1 reward."""
 
@@ -121,9 +121,6 @@ class GrpoLambda:
             "a name: append it as its own column (weight 1, 0 outside the selected groups)",
         )
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     def required_rewards(self) -> list[str]:
         """The correctness column, when named."""
         return [self.config.column] if self.config.column is not None else []
@@ -145,8 +142,8 @@ class GrpoLambda:
         rows = valid & selected.unsqueeze(1)
         stats = torch.stack([selected.float().sum() / max(selected.numel(), 1),
                              bonus.sum() / rows.sum().clamp(min=1)]).tolist()       # one host sync
-        batch.log_metric("selected_fraction", stats[0])
-        batch.log_metric("length_reward_mean", stats[1])
+        self.log_metric(batch, "selected_fraction", stats[0])
+        self.log_metric(batch, "length_reward_mean", stats[1])
         if c.output_column is not None:
             return {c.output_column: bonus.reshape(-1)}
         return {name: (r + bonus).reshape(-1)}                         # NaN + x stays NaN

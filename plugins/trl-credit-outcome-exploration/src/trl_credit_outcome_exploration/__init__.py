@@ -41,7 +41,7 @@ Defaults and what is NOT established (each is a config option):
   question is its group of samples. Unparseable answers (``unparseable = "bucket"``) share one
   bucket ``"∅"``, counted and penalised like any answer; ``"no_bonus"``: no bonus, no penalty,
   not counted (**not established**, the paper's datasets always have an extracted answer).
-- Canonicalisation ``"last_number"`` (the host's ``trl_credit.app.rewards.last_number``, normalised:
+- Canonicalisation ``"last_number"`` (the host's ``trl_credit.last_number``, normalised:
   ``12.0 -> "12"``); ``"math_verify"`` uses ``math_verify.parse`` (first parsed value as sympy
   prints it, so ``\\frac12`` and ``1/2`` meet but ``0.5`` and ``sqrt(8)`` vs ``2*sqrt(2)`` do not;
   about 4 ms per 4 kB completion, i.e. ~30 s per 8192 completions: for competition math only).
@@ -52,6 +52,7 @@ Defaults and what is NOT established (each is a config option):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -61,16 +62,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
-from trl_credit.app.rewards import (
-    _NUMBER as _HOST_NUMBER,  # the regex of last_number, so both read alike
-)
-from trl_credit.app.rewards import completion_text  # stdlib-only module: cheap to import
+from trl_credit import ConfigError, Plugin, completion_text, hookimpl, last_number
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch, RunInfo
 
 __all__ = ["UNPARSEABLE", "OutcomeExploration", "batch_penalty", "canonical_last_number", "canonical_last_numbers",
            "historical_bonus"]
@@ -123,8 +120,8 @@ def canonical_last_numbers(texts: list[str], window: int = 64) -> list[str | Non
     Every match of the host's number regex (``(?:(?<!\d)-)?\d+(?:,\d{3})*(?:\.\d+)?``) consists of
     ``0-9 , . -`` characters and contains a digit. So the last match of a text lies in the last
     stretch that starts at a digit (or at a ``-`` right before it, which no digit can precede
-    there) and runs over those characters; its matches are the same read alone, so the host regex
-    is applied to that short stretch only. One C-level scan finds the stretch of every tail.
+    there) and runs over those characters; its matches are the same read alone, so the host's
+    ``last_number`` reads that short stretch only. One C-level scan finds the stretch of every tail.
     """
     tails = [_tail(text, window) for text in texts]
     joined = _SEP.join(tails)
@@ -152,7 +149,7 @@ def canonical_last_numbers(texts: list[str], window: int = 64) -> list[str | Non
         if run.isdigit():                                            # the common case: a plain integer
             out.append(run.lstrip("0") or "0")
         else:
-            out.append(_canonical_number(_HOST_NUMBER.findall(run)[-1]))
+            out.append(_canonical(last_number(run)))                # the host's reading of the stretch
     return out
 
 
@@ -169,11 +166,8 @@ def _last(tokens: list[str]) -> str | None:
     return tokens[-1] if tokens else None
 
 
-def _canonical_number(token: str) -> str:
-    """``Decimal(token)`` as ``last_number`` reads it, normalised: ``"007" -> "7"``, ``"1,000.50" -> "1000.5"``."""
-    if token.isdigit():
-        return token.lstrip("0") or "0"
-    value = Decimal(token.replace(",", ""))
+def _canonical(value: Decimal) -> str:
+    """A number as ``last_number`` reads it, normalised: ``7``, ``1000.5`` (from ``"1,000.50"``), ``0`` (from ``-0``)."""
     return "0" if value == 0 else format(value.normalize(), "f")
 
 
@@ -199,7 +193,7 @@ def _prompt_key(index: int, prompt: Any) -> int | str:
 
 
 # ----------------------------------------------------------------------------- the plugin
-class OutcomeExploration:
+class OutcomeExploration(Plugin):
     """Outcome-based exploration (arXiv 2509.06941, paper-recalled): reward bonus over final answers.
 
     ``b_hist = c * min(1, 1/sqrt(N(x, a)))`` from a per-question count table of canonical answers
@@ -254,7 +248,7 @@ class OutcomeExploration:
             return self
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         # prompt key -> (canonical answer -> count), both in least-recently-seen-first order
         self.table: OrderedDict[int | str, dict[str, int]] = OrderedDict()
 
@@ -266,11 +260,28 @@ class OutcomeExploration:
             names.append(self.config.correct_column)
         return names
 
+    def check_args(self, run: RunInfo) -> None:
+        """Refuse, before the model loads, an appended column that a reward function already produces and
+        ``canonicalizer: math_verify`` without the ``math_verify`` package."""
+        cfg = self.config
+        if cfg.add_to is None and cfg.column in run.reward_names:
+            raise ConfigError.for_key(
+                "column", f"the bonus column {cfg.column!r} would be appended, but a reward function already "
+                f"produces a column of that name (reward functions: {list(run.reward_names)})",
+                f"set `column` to another name, or `add_to: {cfg.column}` to add the bonus to it")
+        if cfg.canonicalizer == "math_verify" and importlib.util.find_spec("math_verify") is None:
+            raise ConfigError.for_key(
+                "canonicalizer", "'math_verify' needs the math_verify package, which is not installed",
+                "`pip install math-verify`, or set `canonicalizer: last_number`")
+
     def state_dict(self) -> dict[str, Any]:
-        """The answer-count table, in least-recently-seen-first order (checkpointed by the host)."""
-        return {"version": 1, "table": [(key, list(answers.items())) for key, answers in self.table.items()]}
+        """The answer-count table as plain lists, least recently seen first (checkpointed by the host):
+        ``{"version": 1, "table": [[prompt_key, [[answer, count], ...]], ...]}``."""
+        return {"version": 1, "table": [[key, [[a, k] for a, k in answers.items()]]
+                                        for key, answers in self.table.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`'s table (pairs as lists or tuples), trimmed to this config's bounds."""
         cap = self.config.max_answers_per_prompt
         self.table = OrderedDict((key, dict(answers[-cap:])) for key, answers in state["table"])
         while len(self.table) > self.config.max_prompts:
@@ -378,9 +389,9 @@ class OutcomeExploration:
         names = ["unparseable_fraction", "new_answer_fraction"] + ["historical_bonus"] * cfg.historical \
             + ["batch_penalty"] * cfg.batch + ["bonus"]
         for name, value in zip(names, values):
-            batch.log_metric(name, value)
-        batch.log_metric("table_prompts", len(self.table))
-        batch.log_metric("table_answers", sum(map(len, self.table.values())))
+            self.log_metric(batch, name, value)
+        self.log_metric(batch, "table_prompts", len(self.table))
+        self.log_metric(batch, "table_answers", sum(map(len, self.table.values())))
 
         if cfg.add_to is not None:
             return {cfg.add_to: batch.reward(cfg.add_to) + cfg.weight * bonus}

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["PosteriorGRPO", "gated_process_reward"]
 
@@ -64,7 +64,7 @@ def gated_process_reward(r_out: torch.Tensor, r_proc: torch.Tensor, weight: floa
     return term.masked_fill(proc_nan & torch.isnan(r_out), math.nan)
 
 
-class PosteriorGRPO:
+class PosteriorGRPO(Plugin):
     """P-GRPO: R = R_fmt + R_out + 1[R_out >= tau] * w * R_proc (process credit only when correct).
 
     Replaces the process column with the gated term; arXiv 2508.05170, reconstructed from the abstract.
@@ -104,9 +104,6 @@ class PosteriorGRPO:
                 raise ValueError(f"outcome_reward, process_reward and format_reward must differ, got {names}")
             return self
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     def required_rewards(self) -> list[str]:
         """The reward columns read: outcome, process and (if set) format."""
         c = self.config
@@ -125,6 +122,6 @@ class PosteriorGRPO:
                 (r_out >= c.threshold).float().mean(),                      # share of completions gated in
                 term.nan_to_num(0.0).mean(),                                # mean gated process term
             ]).tolist()                                                     # one host sync
-            batch.log_metric("gate_rate", stats[0])
-            batch.log_metric("process_term_mean", stats[1])
+            self.log_metric(batch, "gate_rate", stats[0])
+            self.log_metric(batch, "process_term_mean", stats[1])
         return {c.process_reward: term}

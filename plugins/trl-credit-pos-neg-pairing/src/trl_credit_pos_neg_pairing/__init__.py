@@ -52,12 +52,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import PromptStats
+    from trl_credit import PromptStats
 
 __all__ = ["PosNegPairing", "select_pairs"]
 
@@ -98,7 +98,7 @@ def select_pairs(p_hat: torch.Tensor, last_step: torch.Tensor, n_pairs: int, pos
     return pos, neg
 
 
-class PosNegPairing:
+class PosNegPairing(Plugin):
     """Beyond-Variance pairing: each batch pairs lowest-nonzero-p_hat q+ with highest-below-1 q- prompts."""
 
     class Config(BaseModel):
@@ -120,9 +120,6 @@ class PosNegPairing:
             "prompts; 0 = the paper's one-pair-per-update (unseen prompts then only fill slots no pair "
             "can take)",
         )
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     @hookimpl
     def prompt_weights(self, stats: PromptStats, step: int) -> torch.Tensor:

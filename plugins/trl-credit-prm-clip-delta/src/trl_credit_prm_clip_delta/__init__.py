@@ -23,7 +23,7 @@ normalised by the mean and std of all step scores of the completion's group, as 
 supervision (DeepSeekMath, Shao et al. 2024, section 4.1.3); then ``eta`` is on that z-score scale.
 
 Tokens: a completion is cut into steps at the regex ``pattern`` (default: newlines) with
-``trl_credit.steps``. A token outside every step (a delimiter, leading/trailing whitespace, the
+``trl_credit.token_steps``. A token outside every step (a delimiter, leading/trailing whitespace, the
 EOS token) takes the step before it (the first step for leading ones): the delimiter closes its step.
 Padding gets no process credit; completions without steps, and completions whose every reward is
 NaN (advantage 0 in GRPO), get the outcome advantage only.
@@ -51,13 +51,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from trl_credit import hookimpl
-from trl_credit.steps import StepConfig
+from trl_credit import ConfigError, Plugin, StepConfig, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch, RunInfo
 
 __all__ = [
     "PRMClipDelta",
@@ -147,7 +146,30 @@ def group_normalize_steps(r: Any, counts: Any, num_generations: int, eps: float 
     return (((vals - mean) / (std + eps)) * mask).reshape(n, s)
 
 
-class PRMClipDelta:
+def _scorer_kwargs_problems(config: StepConfig) -> list[str]:
+    """``ConfigError`` lines when the step scorer's signature does not take ``config.scorer_kwargs``
+    (a call ``scorer(prompts, completions, steps, columns, **scorer_kwargs)`` would raise TypeError)."""
+    import inspect
+
+    from trl_credit import resolve_step_scorer
+
+    func = resolve_step_scorer(config.scorer)
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the first batch tells
+        return []
+    try:
+        signature.bind([], [], [], {}, **config.scorer_kwargs)
+    except TypeError as exc:
+        plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                  return_annotation=signature.empty)
+        return ConfigError.for_key(
+            "scorer_kwargs", f"step scorer {config.scorer!r} cannot be called with {config.scorer_kwargs} ({exc})",
+            f"pass only keyword options the scorer takes; its signature is {plain}").problems
+    return []
+
+
+class PRMClipDelta(Plugin):
     """Token credit from refined PRM step rewards (Gao et al. 2024, arXiv 2410.15115).
 
     ``A_{i,t} = A_i + process_weight * sum_{j >= step(t)} r~_j`` with ``r~`` = Clip
@@ -179,14 +201,17 @@ class PRMClipDelta:
             "(DeepSeekMath process supervision) before refining; none = raw scores",
         )
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+    def check_args(self, run: RunInfo) -> None:
+        """Refuse ``scorer_kwargs`` the step scorer does not take (it would fail at the first batch)."""
+        problems = _scorer_kwargs_problems(self.config)
+        if problems:
+            raise ConfigError(problems)
 
     def process_returns(self, batch: RolloutBatch) -> torch.Tensor:
         """``(N, T)`` float32: ``G_{step(t)}`` for every completion token (0 on padding)."""
         import torch
 
-        from trl_credit.steps import pad_step_scores, step_scores, token_steps
+        from trl_credit import pad_step_scores, step_scores, token_steps
 
         c = self.config
         _, scores = step_scores(batch, c.scorer, c.pattern, **c.scorer_kwargs)
@@ -195,22 +220,22 @@ class PRMClipDelta:
         n, width = step_index.shape
         valid = step_mask(r, counts)
         has_steps = counts > 0
-        batch.log_metric("steps", counts.float().mean().item() if n else 0.0)
+        self.log_metric(batch, "steps", counts.float().mean().item() if n else 0.0)
         if not bool(has_steps.any()):
             return torch.zeros((n, width), dtype=torch.float32, device=batch.device)
-        batch.log_metric("step_score", (r.sum() / valid.sum()).item())
+        self.log_metric(batch, "step_score", (r.sum() / valid.sum()).item())
         if c.normalize == "group":
             r = group_normalize_steps(r, counts, batch.num_generations)
         eta = c.eta
         if eta is None and c.mode in ("clip", "delta_clip"):
             eta = (r.sum() / valid.sum()).item()
-            batch.log_metric("eta", eta)
+            self.log_metric(batch, "eta", eta)
         refined = refine_rewards(r, c.mode, eta if eta is not None else 0.0, c.last, counts)
         returns = reward_to_go(refined)                                         # (N, S)
         per_token = returns.gather(1, step_index.clamp(min=0))                 # (N, T)
         scored = ~torch.isnan(batch.total_reward()).to(batch.device)           # GRPO gives NaN rows 0
         per_token.masked_fill_((step_index < 0) | ~scored.unsqueeze(1), 0.0)
-        batch.log_metric("process_return", returns[:, 0][has_steps].mean().item())
+        self.log_metric(batch, "process_return", returns[:, 0][has_steps].mean().item())
         return per_token
 
     @hookimpl

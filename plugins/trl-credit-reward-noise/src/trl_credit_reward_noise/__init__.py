@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["RewardNoise", "flip_draws"]
 
@@ -62,7 +62,7 @@ def flip_draws(count: int, seed: int, step: int, round_: int, prompt_index: torc
     return torch.rand(count, generator=generator, dtype=torch.float64)
 
 
-class RewardNoise:
+class RewardNoise(Plugin):
     """Flip a binary reward column with probability p (per group as the official code, or per completion),
     seeded from (seed, step, round, prompt indices): the same flips on every process."""
 
@@ -92,7 +92,7 @@ class RewardNoise:
             return self
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self._step: int | None = None
         self._round = 0
 
@@ -132,5 +132,5 @@ class RewardNoise:
         noisy = torch.where(is_high ^ flip, high, low)
         noisy = torch.where(finite, noisy, r)                          # NaN stays NaN
         flipped = (flip & finite).float().sum() / finite.float().sum().clamp(min=1)
-        batch.log_metric("flipped_fraction", flipped.item())
+        self.log_metric(batch, "flipped_fraction", flipped.item())
         return {name: noisy}

@@ -47,12 +47,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["RiskPO", "TRACKER_LEVELS", "mixed_var_advantages"]
 
@@ -98,7 +98,7 @@ def mixed_var_advantages(r: torch.Tensor, alpha: float, beta: float, w: float, c
     return A, S, torch.cat([q_lo, q_hi], dim=1).T
 
 
-class RiskPO:
+class RiskPO(Plugin):
     """RiskPO Mixed-VaR advantage: bundle K prompts, score papers S_p = sum_q r_qp, credit
     m_p = [w CVaR_alpha + RVaR_alpha,beta] / (w + 1) / std(S) back to each response.
     Source: RTkenny/RiskPO@65ec40c9 verl/trainer/ppo/core_algos.py (see the module docstring)."""
@@ -139,8 +139,34 @@ class RiskPO:
             return self
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self.tracked: torch.Tensor | None = None  # (19,) float32 once initialised
+
+    def check_args(self, run: RunInfo) -> None:
+        """Bundles of ``bundle_size`` consecutive groups must tile every batch the estimator sees."""
+        k = self.config.bundle_size
+        if k == 1:  # every group is its own bundle: any number of groups, any filter
+            return
+        problems = []
+        groups, g = run.groups_per_batch, getattr(run.args, "num_generations", None)
+        if groups and groups % k:
+            gen = getattr(run.args, "generation_batch_size", None)
+            problems += ConfigError.for_key(
+                "bundle_size", f"a generation batch holds {groups} prompt groups (generation_batch_size={gen} / "
+                f"num_generations={g}), not a multiple of bundle_size={k}",
+                f"make per_device_train_batch_size * num_processes * steps_per_generation (= generation_batch_size, "
+                f"now {gen}) a multiple of bundle_size * num_generations = {k * g}, or set bundle_size to a "
+                f"divisor of {groups}").problems
+        filters = run.with_hook("filter_rollouts")  # RiskPO has no filter: these are the others
+        if filters:
+            names = ", ".join(f"plugins[{p.index}] ({p.key})" for p in filters)
+            problems += ConfigError.for_key(
+                "bundle_size", f"bundles of {k} consecutive prompt groups need every group of the batch, but "
+                f"{names} filters rollouts: a group it drops is left out of the estimator's batch, so the bundles "
+                "change (or no longer tile the batch)",
+                f"remove {names} from plugins:, or set bundle_size: 1").problems
+        if problems:
+            raise ConfigError(problems)
 
     # ------------------------------------------------------------------ the estimator
     @hookimpl
@@ -169,7 +195,7 @@ class RiskPO:
             stats += [self.tracked[lo].to(S.device), self.tracked[hi].to(S.device)]
         names = ("q_lo", "q_hi", "paper_score", "tracked_q_lo", "tracked_q_hi")
         for name, value in zip(names, torch.stack(stats).tolist()):       # one host sync
-            batch.log_metric(name, value)
+            self.log_metric(batch, name, value)
         return A
 
     # ------------------------------------------------------------------ quantile tracker

@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, completion_text, hookimpl
 
 if TYPE_CHECKING:
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["PHRASES", "ReasoningPatternReward", "repetition_ratio", "rpr_reward", "rpr_score", "rpr_terms",
            "score_spans", "thinking_span"]
@@ -174,12 +174,10 @@ def rpr_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
     Use it in ``reward_funcs`` (``trl_credit_rpr.rpr_reward``) to score RPR on each process's own
     completions instead of in the plugin's hook (which runs on the gathered batch on every rank).
     """
-    from trl_credit.app.rewards import completion_text
-
     return score_spans([thinking_span(completion_text(c)) for c in completions])[0]
 
 
-class ReasoningPatternReward:
+class ReasoningPatternReward(Plugin):
     """RPR (Lv et al. 2025): max(0, min(1, #phrases/20) - rep_20 - #"user: ") of the thinking span,
     appended as a reward column, used alone, or used to calibrate a (noisy) reward column."""
 
@@ -237,17 +235,12 @@ class ReasoningPatternReward:
                 raise ValueError("repo_slicing needs a non-empty think_start")
             return self
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     def required_rewards(self) -> list[str]:
         """The calibrated column, when named."""
         return [self.config.target] if self.config.combine == "calibrate" and self.config.target else []
 
     def scores(self, completions: Sequence[Any]) -> tuple[list[float], list[int], list[float], list[int]]:
         """Per completion: RPR, phrases present, repetition ratio, user-marker count."""
-        from trl_credit.app.rewards import completion_text
-
         c = self.config
         spans = [thinking_span(completion_text(x), c.think_start, c.think_end, c.repo_slicing) for x in completions]
         return score_spans(spans, c.phrases, c.full_score_phrases, c.ngram, c.user_marker)
@@ -260,16 +253,16 @@ class ReasoningPatternReward:
         rpr_list, present, rep, users = self.scores(batch.completions)
         rpr = torch.tensor(rpr_list, dtype=torch.float32, device=batch.device)
         n = max(len(rpr_list), 1)
-        batch.log_metric("mean", sum(rpr_list) / n)
-        batch.log_metric("phrases", sum(present) / n)
-        batch.log_metric("repetition", sum(rep) / n)
-        batch.log_metric("user_turn_fraction", sum(1 for u in users if u) / n)
+        self.log_metric(batch, "mean", sum(rpr_list) / n)
+        self.log_metric(batch, "phrases", sum(present) / n)
+        self.log_metric(batch, "repetition", sum(rep) / n)
+        self.log_metric(batch, "user_turn_fraction", sum(1 for u in users if u) / n)
         if c.combine == "calibrate":
             name = c.target if c.target is not None else batch.reward_names[0]
             r = batch.reward(name)
             low = r < c.calibration_threshold                             # NaN compares False: stays NaN
             calibrated = torch.where(low, (r + c.calibration_scale * rpr).clamp(max=c.calibration_cap), r)
-            batch.log_metric("calibrated_fraction", low.float().mean().item())
+            self.log_metric(batch, "calibrated_fraction", low.float().mean().item())
             return {name: calibrated}
         out: dict[str, Any] = {c.column: (rpr, c.weight)}
         if c.combine == "alone":

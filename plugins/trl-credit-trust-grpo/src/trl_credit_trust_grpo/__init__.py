@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["TrustGRPO", "trust_thinking_reward"]
 
@@ -99,7 +99,7 @@ def trust_thinking_reward(
     return term.masked_fill(unscored, math.nan), f, gamma, active
 
 
-class TrustGRPO:
+class TrustGRPO(Plugin):
     """SophiaVL-R1 Trust-GRPO: R = a + f * p with f = alpha exp(-t/T), shrunk by exp(mu_c - mu_i) when untrusted.
 
     Replaces the thinking column with f * p per group; kxfan2002/SophiaVL-R1@a8184947 verl/workers/reward/custom.py.
@@ -147,9 +147,6 @@ class TrustGRPO:
                 raise ValueError("answer_reward and thinking_reward must be different columns")
             return self
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     def required_rewards(self) -> list[str]:
         """The reward columns read: the answer score and the thinking score."""
         return [self.config.answer_reward, self.config.thinking_reward]
@@ -166,7 +163,7 @@ class TrustGRPO:
             correct_threshold=c.correct_threshold, high=c.high, low=c.low, query_threshold=c.query_threshold)
         term = term.reshape(-1)                                           # (N,)
         f0 = c.alpha * math.exp(-batch.step / c.T)
-        batch.log_metric("f0", f0)                                        # the annealing schedule
+        self.log_metric(batch, "f0", f0)                                  # the annealing schedule
         if active.numel():
             n_active = active.sum()
             act = active.to(f.dtype)
@@ -178,8 +175,8 @@ class TrustGRPO:
                 ((gamma < 1) & active).to(f.dtype).sum() / denom,         # share of them whose judge is distrusted
                 n_active.to(f.dtype),
             ]).tolist()                                                   # one host sync
-            batch.log_metric("active_groups", stats[0])
+            self.log_metric(batch, "active_groups", stats[0])
             if stats[4] > 0:
                 for name, value in zip(("gamma", "f", "untrusted_groups"), stats[1:4]):
-                    batch.log_metric(name, value)
+                    self.log_metric(batch, name, value)
         return {c.thinking_reward: term}

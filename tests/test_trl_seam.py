@@ -1,0 +1,91 @@
+"""Pins the TRL seam: every private GRPOTrainer / Trainer name the host overrides or calls, and the keys
+of ``_generate_and_score_completions``' output it reads. A TRL upgrade that moves one fails here with
+one message naming what moved (the supported range is in README.md and pyproject.toml)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from trl_credit.refill import RIGHT_PADDED
+from trl_credit.testing import answer_reward, tiny_dataset, train_tiny
+
+#: method -> the leading parameters (after self) the host passes or overrides with
+METHODS = {
+    "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
+    "_generate_and_score_completions": ["inputs"],
+    "_get_train_sampler": ["dataset"],
+    "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                                           "compute_entropy"],
+    "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],
+    "create_optimizer": ["model"],
+    "_save_checkpoint": ["model", "trial"],
+    "_load_optimizer_and_scheduler": ["checkpoint"],
+    "_get_output_dir": ["trial"],
+    "_get_dataloader": ["dataset", "description", "batch_size", "sampler_fn", "is_training", "dataloader_key"],
+}
+#: attributes of a built GRPOTrainer the host reads
+ATTRIBUTES = ["_tokenizer", "_metrics", "_train_batch_size", "reward_func_names", "reward_weights", "num_generations",
+              "num_iterations", "loss_type", "beta", "ref_model", "accelerator"]
+#: module-level TRL names the host imports
+IMPORTS = {"trl.trainer.utils": ["RepeatSampler", "use_adapter", "nanstd"],
+           "trl.models.utils": ["disable_gradient_checkpointing"], "trl": ["GRPOTrainer", "GRPOConfig"]}
+#: output keys of _generate_and_score_completions the host reads or writes
+OUTPUT_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
+
+
+def test_supported_trl_version():
+    import trl
+
+    major, minor = (int(x) for x in trl.__version__.split(".")[:2])
+    assert (major, minor) == (1, 16), f"trl-credit supports TRL 1.16.x; installed {trl.__version__}"
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_private_method_signatures(name):
+    from trl import GRPOTrainer
+
+    method = getattr(GRPOTrainer, name, None)
+    assert method is not None, f"TRL moved GRPOTrainer.{name}: the host's seam in trl_credit/trainer.py needs it"
+    params = list(inspect.signature(method).parameters)[1:]
+    expected = METHODS[name]
+    assert params[: len(expected)] == expected, (
+        f"TRL changed GRPOTrainer.{name}: parameters {params}, the host expects {expected} first")
+
+
+@pytest.mark.parametrize("module", sorted(IMPORTS))
+def test_imported_names(module):
+    mod = importlib.import_module(module)
+    missing = [n for n in IMPORTS[module] if not hasattr(mod, n)]
+    assert not missing, f"TRL moved {module}.{', '.join(missing)} (used by trl_credit)"
+
+
+def test_attributes_and_output_keys(tmp_path):
+    """One real step: the trainer attributes exist and the output has the keys the host reads; every per-row
+    tensor of the output is one refill knows how to pad and combine."""
+    from trl_credit import Plugin, hookimpl
+
+    class Look(Plugin):
+        """Records nothing; makes the host's seam active."""
+
+        @hookimpl
+        def on_batch_end(self, batch, advantages):
+            pass
+
+    trainer = train_tiny([Look], output_dir=tmp_path, train=False, reward_funcs=[answer_reward],
+                         dataset=tiny_dataset(16))
+    from trl import GRPOTrainer
+
+    missing_attrs = [a for a in ATTRIBUTES if not hasattr(trainer, a)]
+    assert not missing_attrs, f"TRL's GRPOTrainer no longer has {missing_attrs} (read by trl_credit/trainer.py)"
+    inputs = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    output = GRPOTrainer._generate_and_score_completions(trainer, inputs)
+    missing = OUTPUT_KEYS - set(output)
+    assert not missing, f"_generate_and_score_completions no longer returns {sorted(missing)}"
+    per_row = {k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    unknown = per_row - {"prompt_ids", "prompt_mask", "completion_ids", "advantages", *RIGHT_PADDED}
+    assert not unknown, f"_generate_and_score_completions returns per-row tensors refill does not combine: {unknown}"
