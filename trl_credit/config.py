@@ -109,7 +109,7 @@ def normalize_items(raw: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
 
 
 def unknown_plugin_message(index: int, name: str, installed: dict[str, Available]) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trl_credit.config import ConfigError, PluginSet, build_plugins, check_columns, check_reference, check_reward_columns, reward_names
+from trl_credit.config import ConfigError, PluginSet, build_plugins, check_run, reward_names
 
 
 @dataclass
@@ -138,15 +138,21 @@ def reward_functions(cfg: Loaded) -> list:
 
 
 def validate(path: str, overrides: list[str] | None = None) -> Loaded:
-    """All configuration checks that need no model: YAML, TRL keys, plugins, dataset columns."""
+    """All configuration checks that need no model: YAML, TRL keys, plugins and their ``check_args``,
+    reward and dataset columns (for local and built-in datasets), the KL reference."""
     cfg = load_config(path, overrides)
     name = cfg.script_args.dataset_name or "arithmetic"
+    columns = None
     if name.startswith("arithmetic") or os.path.exists(name.split(":")[0]):
         train, _ = load_datasets(cfg)
-        check_columns(cfg.plugins, list(train.column_names))
-    check_reward_columns(cfg.plugins, reward_names(reward_functions(cfg)))
-    check_reference(cfg.plugins, cfg.training_args.beta, bool(cfg.model_args.use_peft))
+        columns = list(train.column_names)
+    check_loaded(cfg, reward_names(reward_functions(cfg)), columns)
     return cfg
+
+
+def check_loaded(cfg: Loaded, rewards: list[str], columns: list[str] | None) -> None:
+    """`trl_credit.config.check_run` on a parsed config (what `validate` and `train` check before loading)."""
+    check_run(cfg.plugins, cfg.training_args, rewards, columns, bool(cfg.model_args.use_peft))
 
 
 def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -154,9 +160,8 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     started = time.time()
     cfg = load_config(path, overrides)
     train_set, eval_set = load_datasets(cfg)
-    check_columns(cfg.plugins, list(train_set.column_names))
     funcs = reward_functions(cfg)
-    check_reward_columns(cfg.plugins, reward_names(funcs))
+    check_loaded(cfg, reward_names(funcs), list(train_set.column_names))  # before the model is resolved or loaded
 
     from trl import get_peft_config, get_quantization_config
 

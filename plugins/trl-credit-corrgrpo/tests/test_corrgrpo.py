@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from trl_credit.config import ConfigError, check_reward_columns
-from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, PluginRuntimeError, completion_text
+from trl_credit.testing import answer_reward, check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit_corrgrpo import CorrGRPO, corrgrpo_advantages
 
 EPS = 1e-6
@@ -191,9 +190,11 @@ def test_reward_columns_selection():
     names = ["accuracy", "format", "length"]
     picked = run(rows, config={"reward_columns": ["accuracy", "format"]}, reward_names=names).advantages
     torch.testing.assert_close(picked, torch.tensor([1.0, 0.0, 0.0, -1.0]) / math.sqrt(2 + EPS), **TIGHT)
-    plugins = plugin_set(CorrGRPO, {"reward_columns": ["acc"]}, name="corrgrpo")
-    with pytest.raises(ConfigError, match=r"reward column 'acc'"):
-        check_reward_columns(plugins, names)
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(corrgrpo\): needs reward column 'acc'"):
+        check_args(CorrGRPO, {"reward_columns": ["acc"]}, reward_names=names,
+                   per_device_train_batch_size=8, num_generations=4)
+    check_args(CorrGRPO, {"reward_columns": ["accuracy", "format"]}, reward_names=names,
+               per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(PluginRuntimeError, match="no reward column 'acc'"):
         run(rows, config={"reward_columns": ["acc"]}, reward_names=names)
 
@@ -222,27 +223,12 @@ def test_contract():
 # ------------------------------------------------------------------------- a real run
 def short_answer(completions, **kwargs):
     """A second, deterministic component: 1 for completions of at most 12 characters."""
-    from trl_credit.app.rewards import completion_text
-
     return [float(len(completion_text(c)) <= 12) for c in completions]
 
 
 def test_training_two_steps(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-    from trl_credit.app.rewards import arithmetic_accuracy
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[arithmetic_accuracy, short_answer],
-                                args=args, train_dataset=make_arithmetic(n=64, seed=0),
-                                plugins=[{"name": "corrgrpo", "reward_columns": ["arithmetic_accuracy",
-                                                                                 "short_answer"]}])
-    trainer.train()
+    trainer = train_tiny([{"name": "corrgrpo", "reward_columns": ["answer_reward", "short_answer"]}],
+                         output_dir=tmp_path, reward_funcs=[answer_reward, short_answer])
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert trainer.state.global_step == 2
     assert len(logs) == 2

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from trl_credit.builtin import GRPOAdvantage, grpo_advantages
-from trl_credit.config import ConfigError
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
+from trl_credit import ConfigError, GRPOAdvantage, grpo_advantages
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit_gdpo import GDPO, gdpo_advantages
 
 NAN = None  # make_batch turns None into NaN
@@ -184,25 +183,22 @@ def test_contract():
 
 
 # ------------------------------------------------------------------------- a real run
+def test_check_args_accepts_one_or_several_reward_columns():
+    """GDPO makes no check of its own: one reward column falls back to GRPO (single_reward_fallback)."""
+    for names in (["accuracy"], ["accuracy", "format"]):
+        for fallback in (True, False):
+            check_args(GDPO, {"single_reward_fallback": fallback}, reward_names=names,
+                       per_device_train_batch_size=8, num_generations=4)
+
+
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
     def length_reward(completions, **kwargs):
         return [min(len(c), 8) / 8 for c in completions]
 
     def parity_reward(completions, **kwargs):
         return [float(i % 2) if i % 3 else None for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[length_reward, parity_reward], args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0), plugins=[{"name": "gdpo"}])
-    trainer.train()
+    trainer = train_tiny([{"name": "gdpo"}], output_dir=tmp_path, reward_funcs=[length_reward, parity_reward])
     assert trainer.state.global_step == 2
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2

@@ -303,8 +303,11 @@ def real_text_batches(tokenizer):
     ]
 
 
-def test_contract(tokenizer):
+def test_contract_on_the_kits_edge_cases():
     check_plugin(PRMClipDelta)                                 # stand-in tokenizer: text spread over tokens
+
+
+def test_contract(tokenizer):
     check_plugin(PRMClipDelta, batches=real_text_batches(tokenizer))
     for options in ({"mode": "delta_clip", "last": "zero"}, {"mode": "none", "normalize": "group"},
                     {"eta": None, "scorer_kwargs": {"neutral": 0.5}}):

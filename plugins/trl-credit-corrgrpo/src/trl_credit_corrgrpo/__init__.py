@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["CorrGRPO", "corrgrpo_advantages"]
 
@@ -101,7 +101,7 @@ def corrgrpo_advantages(
     return A.reshape(n).to(torch.float32), corr_sum, active
 
 
-class CorrGRPO:
+class CorrGRPO(Plugin):
     """CorrGRPO: A_i = sum_k C_ik / sqrt(max(sum_kl rho_kl, 0) + eps), per group (HKUST-KnowComp/CorrGRPO)."""
 
     class Config(BaseModel):
@@ -135,7 +135,7 @@ class CorrGRPO:
         )
 
     def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+        super().__init__(config)
         self._warned = False
 
     def required_rewards(self) -> list[str]:
@@ -165,11 +165,11 @@ class CorrGRPO:
                 corr_sum.masked_fill(~active, 0.0).sum(),
             ]).tolist()                                                  # one host sync
             n_near, n_active, low, total = stats
-            batch.log_metric("clamped_fraction", n_near / max(n_active, 1.0))
-            batch.log_metric("active_fraction", n_active / active.numel())
+            self.log_metric(batch, "clamped_fraction", n_near / max(n_active, 1.0))
+            self.log_metric(batch, "active_fraction", n_active / active.numel())
             if n_active:
-                batch.log_metric("min_corr_sum", low)
-                batch.log_metric("mean_corr_sum", total / n_active)
+                self.log_metric(batch, "min_corr_sum", low)
+                self.log_metric(batch, "mean_corr_sum", total / n_active)
             if n_near and not self._warned:
                 self._warned = True
                 warnings.warn(

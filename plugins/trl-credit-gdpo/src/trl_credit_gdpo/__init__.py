@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch
 
 __all__ = ["GDPO", "gdpo_advantages"]
 
@@ -89,7 +89,7 @@ def gdpo_advantages(r: torch.Tensor, w: torch.Tensor, G: int, eps: float = EPS) 
     return torch.nan_to_num(A, nan=0.0)
 
 
-class GDPO:
+class GDPO(Plugin):
     """GDPO advantages: A_i = whiten_batch(sum_k w_k (r_ik - mean_g r_k) / (std_g r_k + eps))."""
 
     class Config(BaseModel):
@@ -108,9 +108,6 @@ class GDPO:
             "(group normalisation, then batch whitening)",
         )
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         import torch
@@ -120,11 +117,11 @@ class GDPO:
         if self.config.nan_policy == "zero":
             r = torch.nan_to_num(r, nan=0.0)
         if r.shape[1] == 1 and self.config.single_reward_fallback:
-            from trl_credit.builtin import grpo_advantages
+            from trl_credit import grpo_advantages
 
             scale = getattr(batch.args, "scale_rewards", "group")
-            batch.log_metric("gdpo_applied", 0.0)
+            self.log_metric(batch, "gdpo_applied", 0.0)
             return grpo_advantages(r, w, batch.num_generations, scale, "sum_then_normalize")
-        batch.log_metric("gdpo_applied", 1.0)
+        self.log_metric(batch, "gdpo_applied", 1.0)
         return gdpo_advantages(r, w, batch.num_generations)
 

@@ -36,9 +36,18 @@ included (they get ``-ent_scale * H_i``), as in the code.
 forward mask, so ``n_i`` counts ``max(start run, end run)`` positions instead of their union;
 ``"aligned"`` (default, the method's intent) counts the union, ``"code"`` reproduces the code.
 
-Tokens: only positions inside ``completion_mask`` vote and can conflict; a position whose id is the
-tokenizer's pad id (``batch.pad_token_id``; the code hard-codes Llama-3's 128004) may continue a run
-but is never weighted or counted. Completions the filters dropped do not vote.
+Tokens: ``completion_mask`` alone decides what is padding. Every position inside it votes, can
+conflict, is weighted and counted, EOS included even when the tokenizer's pad id is also its EOS id
+(SmolLM2 and many others: TRL's mask runs up to and including the first EOS); positions outside it
+never take part. The code tests ``ids != PAD_ID`` with ``PAD_ID = 128004`` (Llama-3's
+``<|finetune_right_pad_id|>``, which is not its EOS and is never generated), i.e. exactly the
+padding its mask excludes, so its EOS is weighted and counted too. Completions the filters dropped do
+not vote.
+
+Loss. The code's objective is a per-completion token mean, ``(1/|o_i|) sum_t -A_{i,t} ratio_{i,t}``
+(then ``/ max(1, n_i)``, folded into ``A_{i,t}`` here), over completions; among TRL's loss types only
+``loss_type="grpo"`` aggregates that way with the clipped-ratio surrogate, so ``check_args`` refuses
+the others (see ``LOSS_TYPE_PROBLEMS``).
 """
 
 from __future__ import annotations
@@ -47,14 +56,31 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import ConfigError, Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch, RunInfo
 
-__all__ = ["GTPO", "conflict_counts", "conflict_delta", "conflict_runs", "window_runs"]
+__all__ = ["GTPO", "LOSS_TYPE_PROBLEMS", "conflict_counts", "conflict_delta", "conflict_runs", "window_runs"]
+
+#: The one TRL loss type that gives GTPO's objective: token mean per completion, mean over completions,
+#: clipped ratio (the code's ratio exp(logp - sg(logp)) at num_iterations = 1).
+LOSS_TYPE = "grpo"
+#: Why each other TRL loss type does not give GTPO's objective.
+LOSS_TYPE_PROBLEMS = {
+    "dapo": "it divides by the loss tokens of the whole batch, so a completion weighs in proportion to its "
+            "length instead of the code's per-completion token mean (sum_t / |o_i|)",
+    "cispo": "it divides by the loss tokens of the whole batch (not per completion) and replaces the clipped "
+             "ratio by a clipped importance weight",
+    "bnpo": "it divides by the loss tokens of each micro-batch, not per completion",
+    "dr_grpo": "it divides by max_completion_length, not by each completion's length",
+    "sapo": "it averages per completion as grpo does but replaces the clipped ratio by SAPO's soft gate, "
+            "another surrogate than the paper's",
+    "luspo": "it is a sequence-level loss that scales each completion by its length (no per-completion token mean)",
+    "vespo": "it is a sequence-level loss with gamma weights on sequence importance ratios",
+}
 
 
 def _conflicts(keys: torch.Tensor, voter: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
@@ -142,36 +168,29 @@ def conflict_runs(ids: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
 
 
 def conflict_counts(ids: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
-                    group: int, pad_token_id: int | None = None,
-                    count_mode: str = "aligned") -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` ``(N, T)`` long: how many runs (0, 1, 2) cover a weighted token; ``n_conflict`` ``(N,)`` long.
+                    group: int, count_mode: str = "aligned") -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` ``(N, T)`` long: how many runs (0, 1, 2) cover a token; ``n_conflict`` ``(N,)`` long.
 
-    Weighted tokens are inside the mask and not the pad id (pad ids may continue a run, as in the
-    code, but get ``delta = 1`` and are not counted). ``delta_{i,t} = W^k`` on positives, ``0^k`` on
-    negatives.
+    The mask alone decides what is padding: every token inside it (EOS included, whatever its id)
+    can be weighted and counted, none outside. ``delta_{i,t} = W^k`` on positives, ``0^k`` on negatives.
     """
     start, end, end_reversed = conflict_runs(ids, mask, positive, negative, group)
-    if pad_token_id is not None:
-        real = ids != pad_token_id
-        start, end = start & real, end & real
     if count_mode == "aligned":
         counted = start | end
     elif count_mode == "code":
         counted = start | (end_reversed & mask.bool())                    # reversed order, as the code
-        if pad_token_id is not None:
-            counted &= real
     else:
         raise ValueError(f"count_mode must be 'aligned' or 'code', got {count_mode!r}")
     return start.long() + end, counted.sum(dim=1)
 
 
 def conflict_delta(ids: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
-                   group: int, weight: float = 2.0, pad_token_id: int | None = None,
+                   group: int, weight: float = 2.0,
                    count_mode: str = "aligned") -> tuple[torch.Tensor, torch.Tensor]:
-    """``delta`` ``(N, T)`` float32 (0 at padding) and ``n_conflict`` ``(N,)`` long (before ``max(1, .)``)."""
+    """``delta`` ``(N, T)`` float32 (0 outside the mask) and ``n_conflict`` ``(N,)`` long (before ``max(1, .)``)."""
     import torch
 
-    k, n_conflict = conflict_counts(ids, mask, positive, negative, group, pad_token_id, count_mode)
+    k, n_conflict = conflict_counts(ids, mask, positive, negative, group, count_mode)
     delta = _power_table(torch.ones(ids.shape[0], device=ids.device), positive, weight).gather(1, k)
     return delta * mask.to(torch.float32), n_conflict
 
@@ -184,7 +203,7 @@ def _power_table(scale: torch.Tensor, positive: torch.Tensor, weight: float) -> 
     return scale[:, None] * torch.stack([torch.ones_like(w), w, w * w], dim=1)
 
 
-class GTPO:
+class GTPO(Plugin):
     """GTPO: A_{i,t} = A~_i delta_{i,t} / max(1, n_i), conflict runs protected, high-entropy completions dropped."""
 
     class Config(BaseModel):
@@ -218,8 +237,17 @@ class GTPO:
             "0 disables the shaping but keeps the filter",
         )
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
+    def check_args(self, run: RunInfo) -> None:
+        """GTPO's objective is a per-completion token mean with the clipped ratio: TRL's ``loss_type="grpo"``."""
+        loss_type = getattr(run.args, "loss_type", "dapo")
+        if loss_type != LOSS_TYPE:
+            why = LOSS_TYPE_PROBLEMS.get(loss_type, "it is not a TRL loss type this plugin knows")
+            raise ConfigError.for_key(
+                "loss_type",
+                f"gtpo needs the per-completion token mean of the GTPO code (loss_type 'grpo'), got "
+                f"{loss_type!r}: {why}",
+                "set `loss_type: grpo` (GRPOConfig(loss_type=\"grpo\"))",
+            )
 
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
@@ -251,11 +279,8 @@ class GTPO:
             self._log(batch, stats)
             return maskf.mul_(adv if token_level else adv[:, None])
 
-        start, end_rev, ids_start, ids_end = window_runs(batch.completion_ids, lengths, positive, negative,
-                                                         batch.num_generations)
-        pad = batch.pad_token_id
-        if pad is not None:                                  # pad ids may continue a run, never weighted
-            start, end_rev = start & (ids_start != pad), end_rev & (ids_end != pad)
+        # the mask alone decides what is padding: the runs cover only positions inside it (EOS included)
+        start, end_rev, _, _ = window_runs(batch.completion_ids, lengths, positive, negative, batch.num_generations)
         w = start.shape[1]
         j = torch.arange(w, device=adv.device)[None, :]
         mirror = lengths[:, None] - 1 - j                     # the start-window position j seen from the end
@@ -263,8 +288,7 @@ class GTPO:
         if cfg.count_mode == "aligned":                       # |start run u end run|, overlap counted once
             n_conflict = start.sum(1) + end_rev.sum(1) - (start & end_at_start).sum(1)
         elif cfg.count_mode == "code":                       # the code's merge of the reversed end run
-            real = ids_start != pad if pad is not None else torch.ones_like(start)
-            n_conflict = ((start | (end_rev & (j < lengths[:, None]))) & real).sum(1)
+            n_conflict = (start | end_rev).sum(1)
         else:
             raise ValueError(f"count_mode must be 'aligned' or 'code', got {cfg.count_mode!r}")
         per_conflict = 1.0 / n_conflict.clamp(min=1).to(torch.float32)          # 1 / max(1, n_i)
@@ -280,11 +304,10 @@ class GTPO:
         self._log(batch, stats)
         return out
 
-    @staticmethod
-    def _log(batch: RolloutBatch, stats: list) -> None:
+    def _log(self, batch: RolloutBatch, stats: list) -> None:
         import torch
 
         if stats:
             values = torch.stack([v.float() for _, v in stats]).tolist()         # one host sync
             for (name, _), value in zip(stats, values):
-                batch.log_metric(name, value)
+                self.log_metric(batch, name, value)
