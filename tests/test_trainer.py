@@ -264,7 +264,10 @@ def test_plugin_state_and_prompt_stats_survive_checkpoint_and_resume(make_traine
 
     resumed = make_trainer(plugins=[fx.Counter], reward_funcs=[parity_reward], max_steps=3,
                            save_strategy="no")
+    printed = []
+    resumed.accelerator.print = lambda *a, **k: printed.append(" ".join(map(str, a)))
     resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert any(f"resumed from {checkpoint}: restored the state of counter" in line for line in printed), printed
     assert resumed.credit_plugins.plugins[0].instance.count == 3
     assert resumed.prompt_stats.seen.sum() == 24
     assert torch.all(resumed.prompt_stats.seen >= seen_before)
@@ -407,3 +410,58 @@ def test_shaped_reward_is_logged_next_to_trls_unshaped_one(make_trainer):
     assert len(rows) == 2
     for row in rows:  # TRL's `reward` is the weighted total before shaping; the bonus column adds 0.25
         assert row["trl_credit/shaped_reward"] == pytest.approx(row["reward"] + 0.25, abs=1e-6)
+
+
+def test_refill_token_budget_stops_new_rounds_and_is_reported(make_trainer):
+    """With max_refill_tokens the host starts no refill round once the extra tokens reach the budget."""
+    def constant(completions, **kwargs):
+        return [1.0] * len(completions)  # every group constant: refill would run all its rounds
+
+    trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 5, "max_refill_tokens": 1}],
+                           reward_funcs=[constant], max_steps=2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "trl_credit/generation_rounds" in h]
+    assert [h["trl_credit/generation_rounds"] for h in logs] == [2.0, 2.0]  # round 0 + one refill round
+    assert all(h["trl_credit/refill_budget_hit"] == 1.0 and h["trl_credit/extra_tokens"] >= 1 for h in logs)
+    unbounded = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 2}], reward_funcs=[constant],
+                             max_steps=1)
+    unbounded.train()
+    log = [h for h in unbounded.state.log_history if "trl_credit/generation_rounds" in h][0]
+    assert log["trl_credit/generation_rounds"] == 3.0 and "trl_credit/refill_budget_hit" not in log
+
+
+def test_resume_with_refill_is_exact(make_trainer, tmp_path):
+    """4 uninterrupted steps equal 2 + resume + 2 under refill: same prompts, rewards and losses."""
+    from transformers import TrainerCallback
+
+    class StopAt2(TrainerCallback):  # an interruption after the step-2 checkpoint (same LR schedule)
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    def run(out, resume=None, stop=False):
+        seen = []
+
+        class Record(fx.Passthrough):
+            from trl_credit import hookimpl
+
+            @hookimpl
+            def on_batch_end(self, batch, advantages):
+                seen.append((batch.step, batch.prompt_index.tolist(), batch.rewards.flatten().tolist()))
+
+        trainer = make_trainer(plugins=[{"name": fx.DropConstant, "max_refill_rounds": 3}, Record],
+                               reward_funcs=[prompt_gated_reward], max_steps=4, output_dir=str(tmp_path / out),
+                               save_strategy="steps", save_steps=2)
+        if stop:
+            trainer.add_callback(StopAt2())
+        trainer.train(resume_from_checkpoint=resume)
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        return seen, losses, trainer
+
+    full, full_losses, _ = run("full")
+    first, first_losses, trainer = run("part", stop=True)
+    assert trainer.refill_stream.batches_drawn > 0  # the fixture makes refill happen
+    second, second_losses, _ = run("part", resume=str(tmp_path / "part" / "checkpoint-2"))
+    assert [s for s, _, _ in first] == [0, 1] and [s for s, _, _ in second] == [2, 3]
+    assert first + second == full  # prompts (refill included) and rewards
+    assert {**first_losses, **second_losses} == pytest.approx(full_losses, abs=1e-7)

@@ -25,7 +25,7 @@ measured once (in context, after an anchor token, so SentencePiece's leading spa
 cached per tokenizer; a completion's offsets are the cumulative lengths of its tokens. A row where
 those lengths do not add up to its text (a character split across byte tokens, a tokenizer that
 cleans up spaces) is measured exactly by decoding its prefixes. A stand-in tokenizer without
-``batch_decode`` (``trl_credit.testing.make_batch``) spreads each text evenly over its tokens.
+``batch_decode`` or marked ``stand_in`` (``trl_credit.testing.make_batch``) spreads each text evenly over its tokens.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _token_ends(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     width = ids.shape[1]
     text_len = torch.tensor([len(t) for t in texts], dtype=torch.int32, device=ids.device)
     tokenizer = batch.tokenizer
-    if not hasattr(tokenizer, "batch_decode"):
+    if getattr(tokenizer, "stand_in", False) or not hasattr(tokenizer, "batch_decode"):
         # a stand-in tokenizer (tests): spread each text evenly over its unmasked tokens
         real = batch.completion_mask.to(torch.int64)
         count = real.sum(dim=1, keepdim=True)

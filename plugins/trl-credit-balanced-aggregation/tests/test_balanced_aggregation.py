@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 
-from trl_credit.pipeline import Pipeline, PluginRuntimeError, kept_advantages
-from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin
 from trl_credit_balanced_aggregation import (
     REFUSED_LOSS_TYPES,
     SUPPORTED_LOSS_TYPES,
@@ -16,6 +14,9 @@ from trl_credit_balanced_aggregation import (
     ba_weights,
     check_loss_type,
 )
+
+from trl_credit import ConfigError, PluginRuntimeError, grpo_advantages, hookimpl
+from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 
 TIGHT = dict(rtol=1e-6, atol=1e-9)
 
@@ -51,23 +52,11 @@ def test_methods_vector_through_the_host():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A 2-step CreditGRPOTrainer run with the plugin (the training test), reused to call TRL's loss."""
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
     def parity(completions, **kwargs):  # mixed rewards in every group, whatever the model writes
         return [float(i % 2) for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("ba")), per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=8, max_steps=2, report_to="none",
-                      save_strategy="no", use_cpu=True, bf16=False, logging_steps=1)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=parity, args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "balanced_aggregation"}])
-    trainer.train()
-    return trainer
+    return train_tiny([{"name": "balanced_aggregation"}], output_dir=tmp_path_factory.mktemp("ba"),
+                      reward_funcs=[parity])
 
 
 def test_training_run(trained):
@@ -145,8 +134,6 @@ def test_trl_effective_weights_equal_ba_weights(trained, loss_type, ga, spg):
 
 
 def kept_grpo(batch):
-    from trl_credit.builtin import grpo_advantages
-
     return grpo_advantages(batch.rewards, batch.reward_weights, 4, "group", "sum_then_normalize")
 
 
@@ -166,11 +153,45 @@ def test_bnpo_depends_on_micro_batch_composition(trained):
 def test_refused_loss_types(loss_type):
     with pytest.raises(ValueError, match=f"loss_type='{loss_type}'"):
         check_loss_type(loss_type)
+    # the run-time safety net (check_args refuses these before the model loads)
     with pytest.raises(PluginRuntimeError, match="cannot reproduce BA exactly"):
         run_plugin(BalancedAggregation, make_batch([1, 0], 2, loss_type=loss_type))
-    from types import SimpleNamespace
-    with pytest.raises(ValueError, match=loss_type):
-        BalancedAggregation().on_train_begin(SimpleNamespace(args=SimpleNamespace(loss_type=loss_type)))
+
+
+# ------------------------------------------------------------------------- settings (check_args)
+RUN = dict(per_device_train_batch_size=8, num_generations=4)
+
+
+@pytest.mark.parametrize("loss_type", sorted(REFUSED_LOSS_TYPES))
+def test_check_args_refuses_loss_types_it_cannot_be_exact_with(loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    with pytest.raises(ConfigError) as error:
+        check_args(BalancedAggregation, {}, loss_type=loss_type, **RUN, **extra)
+    message = str(error.value)
+    assert "(balanced_aggregation)" in message and f"loss_type: balanced_aggregation cannot" in message
+    assert f"loss_type={loss_type!r}" in message and REFUSED_LOSS_TYPES[loss_type] in message
+    assert "fix: set `loss_type: dapo`" in message
+
+
+@pytest.mark.parametrize("loss_type", sorted(SUPPORTED_LOSS_TYPES))
+def test_check_args_accepts_supported_loss_types_without_a_filter(loss_type):
+    check_args(BalancedAggregation, {"group_size": "signed"}, loss_type=loss_type, **RUN)
+
+
+@pytest.mark.parametrize("loss_type", sorted(t for t, kind in SUPPORTED_LOSS_TYPES.items() if kind != "tokens"))
+@pytest.mark.parametrize("others", [["dynamic_sampling"], [{"name": "dynamic_sampling", "mode": "filter"}]])
+def test_check_args_refuses_per_sequence_losses_next_to_a_filter(loss_type, others):
+    with pytest.raises(ConfigError) as error:
+        check_args(BalancedAggregation, {}, others=others, loss_type=loss_type, **RUN)
+    message = str(error.value)
+    assert "(balanced_aggregation)" in message and "loss_type:" in message
+    assert f"per-sequence loss_type={loss_type!r}" in message and "plugins[1] (dynamic_sampling)" in message
+    assert "fix: set `loss_type: dapo` (exact with filters) or remove the filter" in message
+
+
+@pytest.mark.parametrize("loss_type", sorted(t for t, kind in SUPPORTED_LOSS_TYPES.items() if kind == "tokens"))
+def test_check_args_accepts_token_normalised_losses_next_to_a_filter(loss_type):
+    check_args(BalancedAggregation, {}, others=["dynamic_sampling"], loss_type=loss_type, **RUN)
 
 
 # ------------------------------------------------------------------------- edge cases
@@ -213,30 +234,42 @@ def test_constant_nan_and_single_completion_groups_give_zero():
 
 def test_token_level_input_is_classified_by_its_token_mean():
     a = torch.tensor([[3.0, -1.0, 7.0], [-2.0, 1.0, 7.0]])  # token means +1, -0.5 (last column is padding)
-    batch = make_batch([1, 0], 2, lengths=[2, 2])
-    batch.completion_ids = torch.ones(2, 3, dtype=torch.long)
-    batch.completion_mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    out = BalancedAggregation().transform_advantages(batch, a)
+    batch = make_batch([1, 0], 2, completion_mask=[[1, 1, 0], [1, 1, 0]])
+    plugin = BalancedAggregation()
+    plugin_set(plugin)                                      # registered as the host does: it owns its metrics
+    out = plugin.transform_advantages(batch, a)
     torch.testing.assert_close(out, a * 0.25 * 4)           # w = (1/2)/2 each; dapo: M = N_tok = 4
     # an (N, T) input that is constant per row gives the (N,) result broadcast
     row = torch.tensor([0.7, -0.7])
-    torch.testing.assert_close(BalancedAggregation().transform_advantages(batch, row[:, None].expand(2, 3)),
-                               BalancedAggregation().transform_advantages(batch, row)[:, None].expand(2, 3))
+    torch.testing.assert_close(plugin.transform_advantages(batch, row[:, None].expand(2, 3)),
+                               plugin.transform_advantages(batch, row)[:, None].expand(2, 3))
+
+
+def with_filter(keep):
+    """BA plus a fixed keep mask, as if another enabled plugin's filter had dropped the other rows."""
+    class FilteredBA(BalancedAggregation):
+        name = "balanced_aggregation"
+
+        @hookimpl
+        def filter_rollouts(self, batch):
+            return torch.tensor(keep)
+
+    return FilteredBA
 
 
 def test_dropped_completions_with_dapo_and_refusal_for_per_sequence_losses():
     # group 0 keeps 3 of 4 (row 3 dropped), group 1 is dropped entirely: Q = 1, N_tok = 60
+    plugin = with_filter([True, True, True, False, False, False, False, False])
     batch = make_batch([1, 1, 0, 0, 1, 0, 1, 0], 4, lengths=LEN * 2)
-    batch.kept = torch.tensor([True, True, True, False, False, False, False, False])
-    adv = kept_advantages(Pipeline(plugin_set(BalancedAggregation)), batch)
+    adv = run_plugin(plugin, batch).advantages
     a = kept_grpo(batch)
     # positives: n+ = 2, T+ = 40; negatives: only row 2 (20 tokens); n = 4
     w = torch.tensor([0.5 / 40, 0.5 / 40, 0.25 / 20, 0, 0, 0, 0, 0])
     torch.testing.assert_close(adv, a * w * 60, rtol=1e-6, atol=1e-7)
-    for loss_type in ("grpo", "dr_grpo"):
-        batch.args.loss_type = loss_type
+    for loss_type in ("grpo", "dr_grpo"):   # the run-time safety net behind check_args
+        batch = make_batch([1, 1, 0, 0, 1, 0, 1, 0], 4, lengths=LEN * 2, loss_type=loss_type)
         with pytest.raises(PluginRuntimeError, match="drops completions"):
-            kept_advantages(Pipeline(plugin_set(BalancedAggregation)), batch)
+            run_plugin(plugin, batch)
 
 
 def test_contract():

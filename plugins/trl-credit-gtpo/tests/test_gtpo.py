@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
-from trl_credit.testing import check_plugin, edge_case_batches, make_batch, run_plugin
-from trl_credit_gtpo import GTPO, conflict_delta, conflict_runs
+from trl_credit_gtpo import GTPO, LOSS_TYPE_PROBLEMS, conflict_delta, conflict_runs
+
+from trl_credit import ConfigError, grpo_advantages, hookimpl
+from trl_credit.testing import (check_args, check_plugin, edge_case_batches, make_batch, plugin_set, run_plugin,
+                                train_tiny)
 
 # methods.md 2.18: G = 4, c0 and c2 positive, c1 and c3 negative
 IDS = [[5, 7, 9, 2], [5, 7, 3, 2], [5, 8, 9, 2], [6, 7, 9, 2]]
@@ -16,11 +19,19 @@ DELTA = torch.tensor([[4., 4., 4., 4.], [0., 0., 1., 0.], [2., 1., 2., 2.], [1.,
 POS = torch.tensor([True, False, True, False])
 
 
-def delta_of(ids, positive, negative, group=None, pad=0, mode="aligned", mask=None):
+def delta_of(ids, positive, negative, group=None, mode="aligned", mask=None):
+    """``conflict_delta``; without ``mask`` the ids are right-padded with 0 and the mask is ``ids != 0``."""
     ids = torch.tensor(ids)
-    mask = (ids != pad).long() if mask is None else mask
+    mask = (ids != 0).long() if mask is None else torch.as_tensor(mask).long()
     return conflict_delta(ids, mask, torch.tensor(positive), torch.tensor(negative),
-                          group or ids.shape[0], 2.0, pad, mode)
+                          group or ids.shape[0], 2.0, mode)
+
+
+def registered(options=None):
+    """A GTPO instance registered as the host registers it (it then owns the metrics it logs)."""
+    plugin = GTPO(GTPO.Config(**(options or {})))
+    plugin_set(plugin)
+    return plugin
 
 
 def tight(actual, expected):
@@ -91,15 +102,56 @@ def test_ragged_lengths_align_the_end_run_right():
     assert delta.tolist() == [[1, 0, 0], [1, 0, 0]] and n.tolist() == [0, 0]
 
 
-def test_pad_id_inside_the_mask_continues_a_run_but_is_never_weighted():
-    # pad id 0 used as EOS inside the mask (pad == eos tokenizers); mask from the lengths
-    ids = torch.tensor([[5, 7, 0], [5, 7, 0]])
-    mask = torch.ones(2, 3, dtype=torch.long)
-    delta, n = delta_of(ids.tolist(), [True, False], [False, True], mask=mask)
-    assert delta.tolist() == [[4, 4, 1], [0, 0, 1]] and n.tolist() == [2, 2]
-    # the pad id is the batch's, never a constant: with pad 99 the same 0 is an ordinary token
-    delta, n = delta_of(ids.tolist(), [True, False], [False, True], pad=99, mask=mask)
+def test_the_mask_alone_decides_what_is_padding():
+    # id 0 inside the mask (the EOS of a pad == EOS tokenizer) is an ordinary token: weighted and counted
+    ids = [[5, 7, 0], [5, 7, 0]]
+    delta, n = delta_of(ids, [True, False], [False, True], mask=[[1, 1, 1], [1, 1, 1]])
     assert delta.tolist() == [[4, 4, 4], [0, 0, 0]] and n.tolist() == [3, 3]
+    _, n = delta_of(ids, [True, False], [False, True], mode="code", mask=[[1, 1, 1], [1, 1, 1]])
+    assert n.tolist() == [3, 3]
+    # and any id outside the mask is padding: it neither votes nor is weighted nor counted
+    delta, n = delta_of([[5, 7, 9], [5, 7, 9]], [True, False], [False, True], mask=[[1, 1, 0], [1, 1, 0]])
+    assert delta.tolist() == [[4, 4, 0], [0, 0, 0]] and n.tolist() == [2, 2]
+
+
+# methods.md 2.18 with an EOS appended to every completion, EOS = pad = 0 (make_batch's default, as SmolLM2)
+IDS_EOS = [row + [0] for row in IDS]
+DELTA_EOS = torch.tensor([[4., 4., 4., 4., 4.], [0., 0., 1., 0., 0.], [2., 1., 2., 2., 2.], [1., 0., 0., 0., 0.]])
+N_EOS = {"aligned": [5, 4, 4, 4], "code": [5, 2, 3, 4]}
+
+
+@pytest.mark.parametrize("mode", ["aligned", "code"])
+def test_eos_equal_to_the_pad_id_is_weighted_and_counted(mode):
+    """TRL's mask includes the EOS; with pad == EOS gtpo used to treat it as padding (delta 1, not counted)."""
+    batch = make_batch([1, 0, 1, 0], 4, completion_ids=IDS_EOS, loss_type="grpo")
+    assert batch.pad_token_id == 0 and batch.completion_mask.tolist() == [[1] * 5] * 4   # EOS inside the mask
+    # by hand: the EOS (0) sits at the same place in every completion, so it conflicts in both runs:
+    # W^2 = 4 on a positive whose runs reach it, 0 on a negative; the start runs are those of the vector
+    # (c0 all, c1 [5, 7], c2 [5], c3 none), the end runs now begin with the EOS
+    # (c0 all, c1 [2, EOS], c2 [9, 2, EOS], c3 [7, 9, 2, EOS])
+    delta, n = conflict_delta(batch.completion_ids, batch.completion_mask, POS, ~POS, 4, 2.0, mode)
+    assert torch.equal(delta, DELTA_EOS)
+    assert n.tolist() == N_EOS[mode]
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    result = run_plugin(GTPO, batch, {"entropy": False, "count_mode": mode})
+    expected = torch.tensor([a, -a, a, -a])[:, None] * DELTA_EOS / torch.tensor(N_EOS[mode])[:, None].float()
+    tight(result.advantages, expected)
+    assert result.metrics["gtpo/conflict_tokens"] == pytest.approx(sum(N_EOS[mode]) / 4)
+    assert result.metrics["gtpo/conflict_fraction"] == pytest.approx(sum(N_EOS[mode]) / 5 / 4)
+
+
+def test_eos_weighted_and_padding_after_it_ignored_in_ragged_completions():
+    # c0 (+) = 5 9 7 EOS, c1 (-) = 5 8 EOS + one pad (id 0 as well): TRL's mask [1 1 1 1], [1 1 1 0]
+    batch = make_batch([1, 0], 2, completion_ids=[[5, 9, 7, 0], [5, 8, 0]], loss_type="grpo")
+    assert batch.completion_ids.tolist() == [[5, 9, 7, 0], [5, 8, 0, 0]]
+    assert batch.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    # start runs: position 0 (5) in both; end runs (right-aligned): the EOS in both, then 7 vs 8 differ
+    # delta c0 = [W, 1, 1, W], c1 = [0, 1, 0, 0 (padding)], n = 2 each ("code": max(1, 1) = 1)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    result = run_plugin(GTPO, batch, {"entropy": False})
+    tight(result.advantages, torch.tensor([[a, a / 2, a / 2, a], [0.0, -a / 2, 0.0, 0.0]]))
+    code = run_plugin(GTPO, batch, {"entropy": False, "count_mode": "code"})
+    tight(code.advantages, torch.tensor([[2 * a, a, a, 2 * a], [0.0, -a, 0.0, 0.0]]))
 
 
 def test_groups_are_separate():
@@ -112,7 +164,7 @@ def test_groups_are_separate():
 def test_dropped_completions_do_not_vote():
     batch = make_batch([1, 0, 1, 0], 4, completion_ids=[[5, 7], [5, 7], [6, 8], [6, 8]])
     batch.kept = torch.tensor([True, False, True, True])
-    plugin = GTPO(GTPO.Config(entropy=False))
+    plugin = registered({"entropy": False})
     out = plugin.transform_advantages(batch, torch.tensor([1.0, -1.0, 1.0, -1.0]))
     # c0 (5, 7) only conflicted with c1, which is dropped; c2/c3 conflict fully (W^2 / 2)
     tight(out, torch.tensor([[1.0, 1.0], [-1.0, -1.0], [2.0, 2.0], [0.0, 0.0]]))
@@ -145,7 +197,7 @@ def test_entropy_shapes_zero_advantage_completions_like_the_code():
 def test_sets_are_taken_before_shaping():
     # A = +0.01 with H = 0.5 becomes -0.04 but still counts as positive (weight W, not 0)
     batch = make_batch([0, 0], 2, completion_ids=[[5], [5]], entropies=torch.full((2, 1), 0.5))
-    out = GTPO().transform_advantages(batch, torch.tensor([0.01, -0.01]))
+    out = registered().transform_advantages(batch, torch.tensor([0.01, -0.01]))
     tight(out, torch.tensor([[(0.01 - 0.05) * 4.0], [0.0]]))
 
 
@@ -163,16 +215,13 @@ def test_entropy_switch_and_threshold():
 def test_token_level_input():
     batch = make_batch([1, 0], 2, completion_ids=[[5, 6], [5, 7]], entropies=torch.zeros(2, 2))
     adv = torch.tensor([[1.0, 3.0], [-2.0, -2.0]])
-    out = GTPO().transform_advantages(batch, adv)
+    out = registered().transform_advantages(batch, adv)
     # sign from the masked mean; position 0 conflicts (start run), position 1 does not; n = 1
     tight(out, torch.tensor([[2.0, 3.0], [0.0, -2.0]]))
 
 
 # ------------------------------------------------------------------------- contract
 def test_bad_options():
-    from trl_credit.config import ConfigError
-    from trl_credit.testing import plugin_set
-
     for options in ({"count_mode": "merged"}, {"conflict_weight": -1.0}, {"w_raw": 2.0}):
         with pytest.raises(ConfigError):
             plugin_set(GTPO, options)
@@ -187,24 +236,37 @@ def test_contract():
                                        entropies=torch.rand(8, 4, generator=torch.Generator().manual_seed(1)))])
 
 
+# ------------------------------------------------------------------------- settings (check_args)
+def test_loss_type_grpo_is_accepted():
+    check_args(GTPO, {}, loss_type="grpo", per_device_train_batch_size=8, num_generations=4)
+    check_args(GTPO, {"entropy": False, "count_mode": "code"}, loss_type="grpo", beta=0.0,
+               per_device_train_batch_size=8, num_generations=4)
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPE_PROBLEMS))
+def test_other_loss_types_are_refused_before_the_model_loads(loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    with pytest.raises(ConfigError) as error:
+        check_args(GTPO, {}, loss_type=loss_type, per_device_train_batch_size=8, num_generations=4, **extra)
+    message = str(error.value)
+    assert "(gtpo)" in message and "loss_type" in message and repr(loss_type) in message
+    assert LOSS_TYPE_PROBLEMS[loss_type] in message
+    assert "fix: set `loss_type: grpo`" in message
+
+
+def test_trl_default_loss_type_is_refused(tmp_path):
+    # TRL's default is dapo: a run that does not set loss_type fails before its model loads
+    with pytest.raises(ConfigError, match=r"\(gtpo\): loss_type: .*got 'dapo'.*fix: set `loss_type: grpo`"):
+        train_tiny(["gtpo"], output_dir=tmp_path, train=False)
+
+
 # ------------------------------------------------------------------------- a real run
 def test_training_run(tmp_path):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.app.data import make_arithmetic
-    from trl_credit.testing.tiny import tiny_model_path
-
     def parity(completions, **kwargs):   # mixed groups whatever the model writes
         return [float(i % 2) for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, logging_steps=1, loss_type="grpo", beta=0.0)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=parity, args=args,
-                                train_dataset=make_arithmetic(n=32, seed=0),
-                                plugins=[{"name": "gtpo", "ent_threshold": 100.0}])
-    trainer.train()
+    trainer = train_tiny([{"name": "gtpo", "ent_threshold": 100.0}], output_dir=tmp_path, reward_funcs=[parity],
+                         loss_type="grpo", beta=0.0)
     logs = [e for e in trainer.state.log_history if "trl_credit/gtpo/seconds" in e]
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert trainer.state.global_step == 2 and len(logs) == 2 and len(losses) == 2
@@ -262,34 +324,30 @@ def test_matches_a_naive_reference_on_random_ragged_groups():
 @pytest.mark.parametrize("token_level", [False, True])
 def test_windowed_hook_equals_the_full_width_formula(mode, token_level):
     """The hook only compares the conflict windows; it must equal delta from every position."""
-    from trl_credit.builtin import grpo_advantages
-
     g = torch.Generator().manual_seed(1)
     n, t, group = 32, 40, 4                       # long runs over a 2-token vocabulary: windows must grow
     lengths = torch.randint(0, t + 1, (n,), generator=g)
     ids = torch.randint(1, 3, (n, t), generator=g)
     ids[:8, :30] = 1                              # two groups share 30 leading tokens
-    ids[ids == 2] = torch.where(torch.rand(int((ids == 2).sum()), generator=g) < 0.1, 0, 2)  # pads inside
+    # the pad id inside the mask (as an EOS would be): an ordinary token, the mask decides what is padding
+    ids[ids == 2] = torch.where(torch.rand(int((ids == 2).sum()), generator=g) < 0.1, 0, 2)
     mask = (torch.arange(t)[None] < lengths[:, None]).long()
     rewards = torch.randint(0, 2, (n,), generator=g).float()
     batch = make_batch(rewards.tolist(), group, completion_ids=ids * mask, completion_mask=mask, pad_token_id=0)
     seq = grpo_advantages(batch.rewards, torch.ones(1), group, "group", "sum_then_normalize")
-    if token_level:
-        class TokenLevel:
-            """(N,) -> (N, T) by broadcasting over the mask."""
-
-            from trl_credit import hookimpl
-
-            @hookimpl
-            def transform_advantages(self, batch, advantages):
-                return advantages[:, None] * batch.completion_mask
-
-        from trl_credit.config import build_plugins
-        plugins = build_plugins([TokenLevel, {"name": GTPO, "entropy": False, "count_mode": mode}])
-        result = run_plugin(None, batch, plugins=plugins)
-    else:
-        result = run_plugin(GTPO, batch, {"entropy": False, "count_mode": mode})
-    delta, n_conflict = conflict_delta(ids * mask, mask, seq > 0, seq < 0, group, 2.0, 0, mode)
+    plugin = TokenLevelGTPO if token_level else GTPO
+    result = run_plugin(plugin, batch, {"entropy": False, "count_mode": mode})
+    delta, n_conflict = conflict_delta(ids * mask, mask, seq > 0, seq < 0, group, 2.0, mode)
     expected = seq[:, None] * delta / n_conflict.clamp(min=1)[:, None]
     torch.testing.assert_close(result.advantages, expected)
     assert n_conflict.max() > 16                  # the windows really grew past their first size
+
+
+class TokenLevelGTPO(GTPO):
+    """GTPO fed an ``(N, T)`` input: the estimator's ``(N,)`` advantages broadcast over the mask first."""
+
+    name = "gtpo"
+
+    @hookimpl
+    def transform_advantages(self, batch, advantages):
+        return super().transform_advantages(batch, advantages[:, None] * batch.completion_mask)

@@ -32,8 +32,10 @@ so the effective weight becomes ``A_{i,t} * w_i`` (times S/GA, the optimiser ste
 batch, the same factor every TRL loss has). M_i and w_i are per completion, so an ``(N,)`` input is returned
 as ``(N,)`` (TRL broadcasts it over tokens) and an ``(N, T)`` input is scaled row by row. Refused: ``bnpo`` (its normaliser is the token count of
 each micro-batch, which depends on how TRL shuffles rows into micro-batches after this hook runs),
-``luspo`` and ``vespo`` (not derived here), per-sequence losses (grpo, sapo, dr_grpo) when a filter
-dropped completions (the host then rescales every micro-batch by its own kept-row count).
+``luspo`` and ``vespo`` (not derived here), per-sequence losses (grpo, sapo, dr_grpo) together with an
+enabled filter (``filter_rollouts``): when it drops completions the host rescales every micro-batch by
+its own kept-row count. Both are refused by ``check_args`` before the model loads; the transform
+still raises if such a batch reaches it.
 
 Source: "Balanced Aggregation: Understanding and Fixing Aggregation Bias in GRPO" (OpenMOSS),
 **[reconstructed from the abstract]**: "computes token-level means separately within the positive
@@ -52,12 +54,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import ConfigError, Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import RolloutBatch
+    from trl_credit import RolloutBatch, RunInfo
 
 __all__ = ["BalancedAggregation", "ba_weights", "check_loss_type", "loss_multiplier", "SUPPORTED_LOSS_TYPES"]
 
@@ -94,14 +96,20 @@ def ba_weights(advantages: torch.Tensor, lengths: torch.Tensor, num_generations:
     return (per_row * sign).sum(dim=0)                                           # (N,)
 
 
+def _loss_type_problem(loss_type: str) -> str | None:
+    """Why BA cannot be exact with ``loss_type``, or None when it can."""
+    if loss_type in SUPPORTED_LOSS_TYPES:
+        return None
+    why = REFUSED_LOSS_TYPES.get(loss_type, "it is not a loss type this plugin knows")
+    return f"balanced_aggregation cannot reproduce BA exactly with loss_type={loss_type!r}: {why}"
+
+
 def check_loss_type(loss_type: str) -> str:
     """The normaliser kind of ``loss_type``; ValueError saying why for a loss type BA cannot be exact with."""
-    if loss_type not in SUPPORTED_LOSS_TYPES:
-        why = REFUSED_LOSS_TYPES.get(loss_type, "it is not a loss type this plugin knows")
-        raise ValueError(
-            f"balanced_aggregation cannot reproduce BA exactly with loss_type={loss_type!r}: {why}. "
-            f"Use one of {sorted(SUPPORTED_LOSS_TYPES)} (dapo, TRL's default, is exact in every case)"
-        )
+    problem = _loss_type_problem(loss_type)
+    if problem is not None:
+        raise ValueError(f"{problem}. Use one of {sorted(SUPPORTED_LOSS_TYPES)} (dapo, TRL's default, is exact "
+                         "in every case)")
     return SUPPORTED_LOSS_TYPES[loss_type]
 
 
@@ -122,7 +130,7 @@ def loss_multiplier(loss_type: str, lengths: torch.Tensor, max_completion_length
     return length.sum().clamp(min=1.0).expand_as(length)       # dapo, cispo: N_tok
 
 
-class BalancedAggregation:
+class BalancedAggregation(Plugin):
     """Balanced Aggregation: token weight w_i = (n^s/n) / T^s / Q, s = sign(A_i), folded into the advantages."""
 
     class Config(BaseModel):
@@ -135,12 +143,23 @@ class BalancedAggregation:
             "not counted, so the two subsets always share weight 1)",
         )
 
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
-
-    @hookimpl
-    def on_train_begin(self, trainer) -> None:
-        check_loss_type(getattr(trainer.args, "loss_type", "dapo"))  # fail at start, not at the first step
+    def check_args(self, run: RunInfo) -> None:
+        """Refuse a loss type BA cannot be exact with, and per-sequence losses next to a filter."""
+        loss_type = getattr(run.args, "loss_type", "dapo")
+        problem = _loss_type_problem(loss_type)
+        if problem is not None:
+            raise ConfigError.for_key("loss_type", problem, f"set `loss_type: dapo` (exact in every case) or "
+                                      f"another of {sorted(SUPPORTED_LOSS_TYPES)}")
+        filters = run.with_hook("filter_rollouts")              # this plugin has none: every one is another's
+        if SUPPORTED_LOSS_TYPES[loss_type] in ("row", "rowmax") and filters:
+            names = ", ".join(f"plugins[{p.index}] ({p.key})" for p in filters)
+            raise ConfigError.for_key(
+                "loss_type",
+                f"balanced_aggregation cannot be exact with the per-sequence loss_type={loss_type!r} next to a "
+                f"filter ({names}): when it drops completions the host rescales each micro-batch by its own "
+                "kept-row count, which depends on how TRL splits the batch",
+                "set `loss_type: dapo` (exact with filters) or remove the filter",
+            )
 
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
@@ -148,6 +167,7 @@ class BalancedAggregation:
 
         loss_type = getattr(batch.args, "loss_type", "dapo")
         if SUPPORTED_LOSS_TYPES.get(loss_type) in ("row", "rowmax") and not bool(batch.root.kept.all()):
+            # safety net: check_args refuses this combination before the model loads
             raise ValueError(
                 f"balanced_aggregation cannot be exact with loss_type={loss_type!r} when a filter drops "
                 "completions: the host rescales each micro-batch by its own kept-row count, which depends "
@@ -166,7 +186,7 @@ class BalancedAggregation:
         out = advantages * (scale if advantages.dim() == 1 else scale.unsqueeze(1))
         token_weight = w * lengths                                                 # total weight of completion i
         stats = torch.stack([token_weight[a > 0].sum(), token_weight.sum(), (w > 0).float().mean()]).tolist()
-        batch.log_metric("positive_weight", stats[0])      # sum over the batch of (1/Q) n+/n
-        batch.log_metric("total_weight", stats[1])         # 1 when every group has both signs (group_size=all)
-        batch.log_metric("active_fraction", stats[2])      # completions with a nonzero BA weight
+        self.log_metric(batch, "positive_weight", stats[0])   # sum over the batch of (1/Q) n+/n
+        self.log_metric(batch, "total_weight", stats[1])      # 1 when every group has both signs (group_size=all)
+        self.log_metric(batch, "active_fraction", stats[2])   # completions with a nonzero BA weight
         return out

@@ -167,7 +167,7 @@ def _last(tokens: list[str]) -> str | None:
 
 
 def _canonical(value: Decimal) -> str:
-    """A number as ``last_number`` reads it, normalised: ``7``, ``1000.5`` (from ``"1,000.50"``), ``0`` (from ``-0``)."""
+    """A number as ``last_number`` reads it, normalised: ``"1,000.50" -> "1000.5"``, ``"-0" -> "0"``."""
     return "0" if value == 0 else format(value.normalize(), "f")
 
 
