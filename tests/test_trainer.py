@@ -12,7 +12,7 @@ from trl import GRPOTrainer
 import plugins_for_tests as fx
 from trl_credit.builtin import grpo_advantages
 from trl_credit.pipeline import PluginRuntimeError
-from trl_credit.trainer import STATE_FILE
+from trl_credit.checkpoint import STATE_FILE
 
 
 def _h(completion) -> int:
@@ -257,7 +257,7 @@ def test_plugin_state_and_prompt_stats_survive_checkpoint_and_resume(make_traine
                            save_strategy="steps", save_steps=2)
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    state = torch.load(checkpoint / STATE_FILE, weights_only=False)
+    state = torch.load(checkpoint / STATE_FILE, weights_only=True)
     assert state["plugins"] == {"counter": {"count": 2}}
     seen_before = trainer.prompt_stats.seen.clone()
     assert seen_before.sum() == 16

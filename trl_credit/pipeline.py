@@ -215,21 +215,24 @@ class Pipeline:
         return [p for p in self.plugins.plugins if p.members.stateful]
 
     def state_dict(self) -> dict[str, Any]:
-        """``{plugin key: state}`` of every stateful plugin (a ``state_dict()`` of None saves nothing)."""
-        out = {}
-        for p in self.stateful():
-            state = p.instance.state_dict()
-            if state is not None:
-                out[p.key] = state
-        return out
+        """``{plugin key: state}`` of every stateful plugin (``state_dict()`` may return None: nothing to restore)."""
+        return {p.key: p.instance.state_dict() for p in self.stateful()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        """Restore every stateful plugin found in ``state``; returns the keys restored."""
+    def load_state_dict(self, state: dict[str, Any], source: str = "the checkpoint") -> list[str]:
+        """Restore every stateful plugin from ``state`` (a None state: nothing to restore); returns the keys restored.
+
+        A ``load_state_dict`` that raises stops the run with a `PluginRuntimeError` naming the plugin and ``source``.
+        """
         restored = []
         for p in self.stateful():
-            if p.key in state:
+            if state.get(p.key) is None:
+                continue
+            try:
                 p.instance.load_state_dict(state[p.key])
-                restored.append(p.key)
+            except Exception as exc:
+                raise PluginRuntimeError(f"plugin '{p.key}' raised in load_state_dict while resuming from {source}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+            restored.append(p.key)
         return restored
 
 

@@ -23,6 +23,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from trl_credit.batch import PromptStats, RolloutBatch
+from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.config import PluginSet, build_plugins, check_reward_columns, check_run, reward_names
 from trl_credit.distributed import gather_padded
 from trl_credit.pipeline import Pipeline, kept_advantages
@@ -30,7 +31,6 @@ from trl_credit.refill import RefillStream, assemble
 from trl_credit.sampler import CurriculumSampler
 
 PROMPT_INDEX = "trl_credit_prompt_index"
-STATE_FILE = "trl_credit_state.pt"
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # loss averages over rows, so dropped rows dilute
 
 
@@ -147,26 +147,34 @@ class CreditGRPOTrainer(GRPOTrainer):
         return optimizer
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.pipeline.active and self.args.should_save:
+        if self.pipeline.active and self.args.should_save:  # before transformers' files: never a checkpoint without it
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            state = {"plugins": self.pipeline.state_dict(), "prompt_stats": self.prompt_stats.state_dict(),
-                     "refill_batches_drawn": self.refill_stream.batches_drawn}
-            torch.save(state, os.path.join(folder, STATE_FILE))
+            write_state(folder, self.pipeline.state_dict(), self.prompt_stats.state_dict(),
+                        self.refill_stream.batches_drawn)
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.pipeline.active:
-            path = os.path.join(checkpoint, STATE_FILE)
-            if os.path.exists(path):
-                state = torch.load(path, weights_only=True)  # plain data only: nothing runs from a checkpoint
-                restored = self.pipeline.load_state_dict(state["plugins"])
-                self.prompt_stats.load_state_dict(state["prompt_stats"])
-                self.refill_stream.fast_forward(int(state.get("refill_batches_drawn", 0)))
-                self.accelerator.print(
-                    f"[trl-credit] resumed from {checkpoint}: restored the state of "
-                    f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics and the refill "
-                    f"stream ({self.refill_stream.batches_drawn} batches drawn)")
+        if checkpoint is None or not self.pipeline.active:
+            return
+        state = read_state(checkpoint, [p.key for p in self.pipeline.stateful()])
+        if state is None:
+            self.accelerator.print(f"[trl-credit] resumed from {checkpoint}: it has no {STATE_FILE}; "
+                                   "no plugin keeps state, prompt statistics start empty")
+            return
+        source = os.path.join(checkpoint, STATE_FILE)
+        restored = self.pipeline.load_state_dict(state["plugins"], source)
+        try:
+            self.prompt_stats.load_state_dict(state["prompt_stats"])
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{source}: the prompt statistics do not fit this training set of "
+                                  f"{self.prompt_stats.num_prompts} prompts ({type(exc).__name__}: {exc}); was the "
+                                  "dataset changed since the checkpoint?") from None
+        self.refill_stream.fast_forward(int(state.get("refill_batches_drawn", 0)))
+        self.accelerator.print(
+            f"[trl-credit] resumed from {checkpoint}: restored the state of "
+            f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics and the refill "
+            f"stream ({self.refill_stream.batches_drawn} batches drawn)")
 
     # ------------------------------------------------------------------ batch
     def _rollout_batch(self, output: dict[str, Any]) -> RolloutBatch:

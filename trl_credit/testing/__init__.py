@@ -35,10 +35,11 @@ from trl_credit.hookspecs import HOOKS
 from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.plugin import Plugin, RunInfo, members, near_misses
 from trl_credit.plugins import available, implemented_hooks, new_manager
+from trl_credit.checkpoint import STATE_FILE
 from trl_credit.testing.tiny import answer_reward, tiny_dataset, tiny_model, tiny_model_path, train_tiny
 
 __all__ = ["PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
-           "edge_case_batches", "load_plugin", "make_batch", "plugin_set", "run_curriculum", "run_plugin",
+           "edge_case_batches", "load_plugin", "STATE_FILE", "make_batch", "plugin_set", "run_curriculum", "run_plugin",
            "tiny_dataset", "tiny_model", "tiny_model_path", "train_tiny"]
 
 
@@ -303,14 +304,22 @@ def plugin_set(plugin: type | str | Any, config: dict[str, Any] | None = None, n
 
 
 def run_plugin(plugin: type | str | Any, batch: RolloutBatch | Sequence[RolloutBatch],
-               config: dict[str, Any] | None = None, *, plugins: PluginSet | None = None
-               ) -> PluginResult | list[PluginResult]:
-    """Run the host pipeline on ``batch`` with just this plugin (and the built-in estimator).
+               config: dict[str, Any] | None = None, *, others: Sequence[Any] = (),
+               plugins: PluginSet | None = None) -> PluginResult | list[PluginResult]:
+    """Run the host pipeline on ``batch`` with this plugin (and the built-in estimator when none is enabled).
 
     ``plugin``: a class, an installed name or an instance. ``batch``: one batch, or a sequence of
-    batches run in order through the same plugin instance (for stateful plugins and schedules; the
-    result is then a list).
+    batches run in order through the same plugin instances (for stateful plugins and schedules; the
+    result is then a list). ``others``: more plugins after it, as in ``plugins:`` (names, classes or
+    ``{"name": ..., **options}``), e.g. a filter in front of an estimator; ``result.plugin`` stays this one.
     """
+    if plugins is None and others:
+        from trl_credit.config import build_plugins
+
+        if not isinstance(plugin, (str, type)):
+            raise TypeError("with others=, pass this plugin as a class or a name")
+        plugins = build_plugins([{"name": load_plugin(plugin) if isinstance(plugin, str) else plugin,
+                                  **(config or {})}, *others])
     plugins = plugins or plugin_set(plugin, config)
     if not isinstance(batch, RolloutBatch):
         return [run_plugin(plugin, b, plugins=plugins) for b in batch]
@@ -476,7 +485,7 @@ def difficulty_reward(pass_rate: dict[int, float], group_size: int, log: list | 
     Completion ``i`` of a prompt with ``difficulty`` d passes (1.0) iff its position in its group,
     ``i % group_size``, is below ``round(pass_rate[d] * group_size)``: every group of a difficulty-d
     prompt passes exactly that fraction, so per-prompt pass rates are known in advance. Needs a
-    ``difficulty`` dataset column (``trl_credit.app.data.make_arithmetic`` has one). When ``log`` is
+    ``difficulty`` dataset column (`tiny_dataset` has one). When ``log`` is
     given, each call appends the dataset rows of its groups (from ``index_column``: the host's
     prompt index by default) to it, one list per generation round. The reward column is named
     ``difficulty_reward``.

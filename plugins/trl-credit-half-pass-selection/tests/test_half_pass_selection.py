@@ -9,10 +9,8 @@ import pytest
 import torch
 from trl_credit_half_pass_selection import FILL_MASS, HalfPassSelection, rank_prompts
 
-from trl_credit.batch import PromptStats
-from trl_credit.config import ConfigError
-from trl_credit.sampler import CurriculumSampler
-from trl_credit.testing import check_plugin, plugin_set, run_curriculum
+from trl_credit import ConfigError, PromptStats
+from trl_credit.testing import check_args, check_plugin, plugin_set, run_curriculum, tiny_dataset, train_tiny
 
 
 def stats_for(seen, passed, prompts_per_batch=0, last_step=None):
@@ -123,8 +121,9 @@ def test_host_sampler_draws_exactly_the_chosen_and_fills_from_unseen():
     pipeline_weights = run_curriculum(HalfPassSelection, s)
     fills = set()
     for seed in range(40):
-        sampler = CurriculumSampler(16, 4, 1, 1, seed, lambda: pipeline_weights)
-        drawn = sampler.draw()
+        # the host's draw (hookspec prompt_weights): k prompts without replacement, probability ~ weight
+        drawn = torch.multinomial(pipeline_weights, 4, replacement=False,
+                                  generator=torch.Generator().manual_seed(seed)).tolist()
         assert {0, 3} <= set(drawn) and not {1, 2} & set(drawn)
         fills |= set(drawn) - {0, 3}
     assert fills <= set(range(4, 16)) and len(fills) >= 8          # the open slots spread over the unseen
@@ -160,6 +159,13 @@ def test_bad_options(options, key):
         plugin_set(HalfPassSelection, options)
 
 
+def test_no_setting_is_refused():
+    # a curriculum without checks of its own: any GRPOConfig it can be drawn for passes check_args
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        check_args(HalfPassSelection, {"mode": "soft"}, loss_type=loss_type, per_device_train_batch_size=8,
+                   num_generations=4)
+
+
 def test_contract():
     check_plugin(HalfPassSelection)
     check_plugin(HalfPassSelection, {"mode": "soft", "explore_share": 0.25})
@@ -182,26 +188,21 @@ def stand_in_reward(log):
     return difficulty_reward(PASS_RATE, G, log, index_column="row")
 
 
-def arithmetic():
-    """32 rows: difficulty 1 (8 rows: one-digit sums), 2 (20), 3 (4), plus a ``row`` column."""
-    from trl_credit.app.data import make_arithmetic
+#: the stand-in reward's class of each of the 32 rows: 8 rows of difficulty 1 (pass half of the time), 20
+#: of 2 (always pass), 4 of 3 (never pass); the rows' order as in the arithmetic set these runs first used
+DIFFICULTY = [1, 2, 2, 2, 2, 2, 2, 1, 3, 2, 1, 2, 1, 1, 2, 3, 3, 2, 2, 2, 2, 1, 2, 3, 2, 2, 2, 1, 2, 1, 2, 2]
 
-    data = make_arithmetic(n=32, seed=0, max_value=12, ops="+*")
-    return data.add_column("row", list(range(len(data))))
+
+def arithmetic():
+    """`tiny_dataset` (32 rows) with the ``difficulty`` column set to DIFFICULTY, plus a ``row`` column."""
+    data = tiny_dataset(32, seed=0).remove_columns("difficulty")
+    return data.add_column("difficulty", DIFFICULTY).add_column("row", list(range(len(data))))
 
 
 def make_trainer(tmp_path, plugins, log, max_steps=6, callbacks=None, **overrides):
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing.tiny import tiny_model_path
-
-    args = GRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 16, "num_generations": G,
-                         "max_completion_length": 4, "max_steps": max_steps, "report_to": "none",
-                         "save_strategy": "no", "use_cpu": True, "bf16": False, "logging_steps": 1, "seed": 0,
-                         "disable_tqdm": True, **overrides})
-    return CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=stand_in_reward(log), args=args,
-                             train_dataset=arithmetic(), plugins=plugins, callbacks=callbacks)
+    return train_tiny(plugins, output_dir=tmp_path, reward_funcs=[stand_in_reward(log)], dataset=arithmetic(),
+                      max_steps=max_steps, callbacks=callbacks, train=False, per_device_train_batch_size=16,
+                      num_generations=G, max_completion_length=4, **overrides)
 
 
 @pytest.fixture(scope="module")

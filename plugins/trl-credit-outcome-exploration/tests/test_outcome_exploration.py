@@ -21,6 +21,7 @@ from trl_credit_outcome_exploration import (
 
 from trl_credit import ConfigError, PluginRuntimeError, hookimpl, last_number
 from trl_credit.testing import (
+    STATE_FILE,
     check_args,
     check_plugin,
     edge_case_batches,
@@ -376,7 +377,6 @@ class Snapshot:
 
 
 PLUGINS = [{"name": "outcome_exploration"}, Snapshot]
-STATE_FILE = "trl_credit_state.pt"     # the host's file in each checkpoint (not in the public API)
 
 
 def table_total(state):

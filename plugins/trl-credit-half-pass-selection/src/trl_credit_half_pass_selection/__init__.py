@@ -58,12 +58,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit.batch import PromptStats
+    from trl_credit import PromptStats
 
 __all__ = ["HalfPassSelection", "rank_prompts"]
 
@@ -110,7 +110,7 @@ def rank_prompts(p_hat: torch.Tensor, last_step: torch.Tensor | None = None, tar
     return _order(torch.zeros_like(distance), distance, above, last_step)
 
 
-class HalfPassSelection:
+class HalfPassSelection(Plugin):
     """Draw the prompts whose predicted pass rate (Beta posterior mean) is nearest 1/2, below 1/2 first."""
 
     class Config(BaseModel):
@@ -158,9 +158,6 @@ class HalfPassSelection:
             description="soft mode with prefer_below: factor on prompts predicted to pass more often than not "
             "(not established; 1 = no preference)",
         )
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     def predicted_pass_rate(self, stats: PromptStats) -> torch.Tensor:
         """``(P,)`` float64 Beta posterior mean of each prompt's pass rate (the prior mean if unseen)."""
