@@ -11,9 +11,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trl_credit.hookspecs import hookimpl
+from trl_credit.plugin import Plugin
 
 
-class GRPOAdvantage:
+class GRPOAdvantage(Plugin):
     """TRL ``GRPOTrainer`` advantages, bit for bit (TRL 1.16).
 
     ``sum_then_normalize``: ``r_i = sum_k w_k r_ik`` (nansum), ``A_i = (r_i - mean_g r) / (std + 1e-4)``
@@ -29,9 +30,6 @@ class GRPOAdvantage:
             None, description="std used to scale advantages; None: the GRPOConfig value")
         multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
             None, description="how reward columns combine; None: the GRPOConfig value")
-
-    def __init__(self, config: Config | None = None):
-        self.config = config or self.Config()
 
     @hookimpl
     def compute_advantages(self, batch):
@@ -82,5 +80,3 @@ def grpo_advantages(rewards_per_func, reward_weights, num_generations: int, scal
         raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
     return torch.nan_to_num(advantages, nan=0.0)
 
-
-BUILTINS = {"grpo": GRPOAdvantage}
