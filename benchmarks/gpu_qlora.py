@@ -134,6 +134,7 @@ def grpo_args(args, output_dir: str, device: str):
     gpu = device == "cuda"
     return GRPOConfig(
         output_dir=output_dir, max_steps=args.steps, learning_rate=1e-5, beta=0.0, seed=args.seed,
+        loss_type="grpo",  # gtpo (a default plugin) needs the per-completion token mean; every run uses it
         per_device_train_batch_size=args.prompts_per_step * args.generations, num_generations=args.generations,
         max_completion_length=args.completion_length, temperature=1.0, logging_steps=1, save_strategy="no",
         report_to="none", use_cpu=not gpu, bf16=gpu, gradient_checkpointing=gpu and not args.no_checkpointing,

@@ -77,6 +77,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "drpo": {"trainer": {"loss_type": "grpo"}, "note": "its advantages equal the DRPO gradient only with "
              "loss_type grpo (it refuses TRL's default dapo); compared with GRPO under the same loss"},
     "riskpo": {"options": {"bundle_size": 2}, "note": "K = 2 prompt groups per bundle (paper 5): a step has 2"},
+    "gtpo": {"trainer": {"loss_type": "grpo"}, "note": "the GTPO objective is a per-completion token mean "
+             "(loss_type grpo; it refuses TRL's default dapo); compared with GRPO under the same loss"},
     "e_grpo": {"skip": "needs a gold entity-list dataset column ('entities'); arithmetic has one number per answer"},
     "reward_noise": {"note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
 }  # fmt: skip

@@ -203,8 +203,10 @@ REFUSED = [
     ("plugins: [drpo]\nloss_type: dapo\n", ["(drpo)", "loss_type", "fix"]),
     ("plugins: [{name: riskpo, bundle_size: 3}]\nper_device_train_batch_size: 8\nnum_generations: 4\n",
      ["(riskpo)", "bundle_size", "fix"]),
+    ("plugins: [gtpo]\nloss_type: dapo\n", ["(gtpo)", "loss_type", "fix"]),
     ("plugins: [balanced_aggregation]\nloss_type: bnpo\n", ["(balanced_aggregation)", "loss_type", "fix"]),
-    ("plugins: [balanced_aggregation, dynamic_sampling]\nloss_type: grpo\n",
+    ("plugins: [balanced_aggregation, dynamic_sampling]\nloss_type: grpo\nper_device_train_batch_size: 8\n"
+     "num_generations: 4\n",
      ["(balanced_aggregation)", "dynamic_sampling", "fix"]),
     ("plugins: [{name: riskpo, bundle_size: 2}, dynamic_sampling]\n", ["(riskpo)", "dynamic_sampling", "fix"]),
     ("plugins: [fg_expo]\nbeta: 0.0\nuse_peft: false\n", ["(fg_expo)", "beta", "use_peft"]),
@@ -213,14 +215,12 @@ REFUSED = [
 
 @pytest.mark.parametrize("body, expected", REFUSED, ids=[e[0][0] for e in REFUSED])
 def test_validate_rejects_what_a_plugin_cannot_run_with(tmp_path, capsys, body, expected):
-    code, err = _validate(tmp_path, capsys, f"""\
+    code, err = _validate(tmp_path, capsys, textwrap.dedent(f"""\
         model_name_or_path: no-such-model-is-loaded
         dataset_name: "arithmetic:n=16"
         use_cpu: true
         output_dir: {tmp_path}/out
-        per_device_train_batch_size: 8
-        num_generations: 4
-        """ + body)
+        """) + body)
     assert code == 2, err
     for text in expected:
         assert text in err, err
