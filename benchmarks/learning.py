@@ -61,7 +61,7 @@ ROOT = HERE.parent
 ACC = "arithmetic_accuracy"
 PROCESS = "arithmetic_steps"  # the process-score stand-in (trl_credit.app.rewards.arithmetic_steps)
 BEGIN, END = "<!-- learning-results:begin -->", "<!-- learning-results:end -->"
-QUICK_PREFERENCE = ("dynamic_sampling", "gtpo", "gdpo", "riskpo", "drpo", "balanced_aggregation", "corrgrpo")
+QUICK_PREFERENCE = ("dynamic_sampling", "balanced_aggregation", "gtpo", "gdpo", "riskpo", "drpo", "corrgrpo")
 
 # name -> {"options": plugin options, "rewards": reward columns, "trainer": `trl grpo` keys it needs (its
 # baseline gets them too), "note": shown in the table, "skip": reason}

@@ -95,7 +95,7 @@ def _cli_commands(markdown: str) -> set[str]:
     return set(inline) | set(lines)
 
 
-@pytest.mark.parametrize("doc", ["configuration.md", "tutorial.md", "hooks.md", "index.md"])
+@pytest.mark.parametrize("doc", ["configuration.md", "tutorial.md", "hooks.md", "index.md", "checks.md"])
 def test_cli_commands_named_in_docs_exist(doc, capsys):
     from trl_credit.app.cli import main
 
