@@ -186,13 +186,14 @@ def answer_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> l
 
 def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs: Any = None, dataset: Any = None,
                max_steps: int = 2, seed: int = 0, train: bool = True, callbacks: Any = None,
-               **grpo_args: Any) -> Any:
+               peft_config: Any = None, **grpo_args: Any) -> Any:
     """A short real training run of ``plugins`` on the tiny model; returns the `CreditGRPOTrainer`.
 
     Defaults: `tiny_dataset` (32 rows), `answer_reward`, 2 steps of 8 completions (2 prompts x 4) of
     at most 8 tokens, on the CPU, logging every step, no checkpoints. ``grpo_args`` override any
-    ``GRPOConfig`` field (``loss_type``, ``beta``, ``save_steps`` ...). ``train=False`` returns the
-    trainer before training (to inspect or resume it).
+    ``GRPOConfig`` field (``loss_type``, ``beta``, ``save_steps`` ...). ``peft_config``: a PEFT config
+    (a LoRA adapter; the base model with adapters off is then the reference). ``train=False`` returns
+    the trainer before training (to inspect or resume it).
     """
     from trl import GRPOConfig
 
@@ -204,7 +205,7 @@ def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs
     values.update(grpo_args)
     args = GRPOConfig(output_dir=str(output_dir), **values)
     trainer = CreditGRPOTrainer(
-        model=tiny_model_path(), args=args, plugins=plugins, callbacks=callbacks,
+        model=tiny_model_path(), args=args, plugins=plugins, callbacks=callbacks, peft_config=peft_config,
         reward_funcs=reward_funcs if reward_funcs is not None else [answer_reward],
         train_dataset=dataset if dataset is not None else tiny_dataset(32, seed=seed),
     )

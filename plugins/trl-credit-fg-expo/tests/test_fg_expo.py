@@ -292,17 +292,12 @@ def test_training_run_both_parts_with_peft_scores_reference(tmp_path):
     learning rate moves the adapter, so at step 2 KL > 0 and the loss is β_t · KL (the policy term
     vanishes: ratio 1, zero-mean advantages per group, equal lengths).
     """
-    from trl import GRPOConfig
-
-    from trl_credit import CreditGRPOTrainer
-    from trl_credit.testing import tiny_model_path
+    from trl_credit.testing import train_tiny
 
     log: list = []
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, max_steps=2, report_to="none", save_strategy="no", use_cpu=True,
-                      bf16=False, logging_steps=1, seed=0, beta=0.0, learning_rate=0.05)
-    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_staged_reward(log)], args=args,
-                                train_dataset=_staged_dataset(2), peft_config=_lora(), plugins=[{"name": "fg_expo"}])
+    trainer = train_tiny([{"name": "fg_expo"}], output_dir=tmp_path, reward_funcs=[_staged_reward(log)],
+                         dataset=_staged_dataset(2), peft_config=_lora(), train=False, max_completion_length=4,
+                         beta=0.0, learning_rate=0.05)
     assert trainer.ref_model is None and trainer.beta == 0.0
     trainer.train()
     assert trainer.state.global_step == 2

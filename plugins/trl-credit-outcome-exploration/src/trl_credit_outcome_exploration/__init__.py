@@ -223,8 +223,8 @@ class OutcomeExploration(Plugin):
         batch: bool = Field(True, description="add the within-group repetition penalty b_batch")
         c_batch: float = Field(1.0, ge=0.0, description="repetition penalty scale (not established; methods.md uses 1)")
         canonicalizer: Literal["last_number", "math_verify"] = Field(
-            "last_number", description="final-answer extraction: the last number in the text (trl_credit.app.rewards."
-            "last_number, normalised) or math_verify.parse (slow: ~4 ms per completion)")
+            "last_number", description="final-answer extraction: the last number in the text (trl_credit.last_number, "
+            "normalised) or math_verify.parse (slow: ~4 ms per completion)")
         parse_timeout: int = Field(5, ge=0, description="math_verify parsing timeout in seconds (0 = none)")
         unparseable: Literal["bucket", "no_bonus"] = Field(
             "bucket", description="a completion without a final answer: counted as the answer '∅' (bonus and "
