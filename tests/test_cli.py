@@ -155,3 +155,46 @@ def test_install_refuses_anything_but_a_plugin_name(monkeypatch, capsys, name):
     monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     assert cli.main(["install", "--", name]) == 2  # "--": argparse passes even "-e" through as the name
     assert not calls and "not a plugin name" in capsys.readouterr().err
+
+
+def _tiny_run(tmp_path, extra: str) -> Path:
+    from trl_credit.testing import tiny_model_path
+
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        model_name_or_path: {tiny_model_path()}
+        use_cpu: true
+        bf16: false
+        num_generations: 4
+        max_completion_length: 4
+        max_steps: 2
+        report_to: none
+        save_strategy: "no"
+        disable_tqdm: true
+        output_dir: {tmp_path / "out"}
+        """) + extra)
+    return path
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ('dataset_name: "arithmetic:n=1"\nper_device_train_batch_size: 8\n', "distinct prompts"),
+    ('dataset_name: "arithmetic:n=16"\nper_device_train_batch_size: 4\nnum_iterations: 0\n',
+     "num_iterations must be at least 1"),
+])
+def test_a_run_that_trains_nothing_fails(tmp_path, capsys, extra, reason):
+    code = cli.main(["train", str(_tiny_run(tmp_path, extra))])
+    err = capsys.readouterr().err
+    assert code == 1 and "the run made 0 optimiser steps" in err and reason in err
+
+
+def test_a_reward_function_that_exits_does_not_end_the_run_with_exit_0(tmp_path, capsys, monkeypatch):
+    (tmp_path / "quitter.py").write_text("def reward(completions, **kw):\n    raise SystemExit(0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _tiny_run(tmp_path, 'dataset_name: "arithmetic:n=16"\nper_device_train_batch_size: 4\n'
+                               "reward_funcs: [quitter.reward]\n")
+    assert cli.main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "training was stopped by SystemExit(0)" in err and "no final model was saved" in err
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "out" / "model.safetensors").exists()

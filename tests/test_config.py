@@ -164,3 +164,36 @@ def test_options_can_switch_a_hook_off():
     check_reference(build_plugins([{"name": "switchable", "kl": False}], INSTALLED), beta=0.0, peft=False)
     (msg,) = problems([{"name": "switchable", "kl": False, "shape": False}])
     assert "plugins[0] (switchable): its options switch every hook off" in msg
+
+
+def test_num_generations_zero_is_a_config_error(tmp_path, capsys):
+    from trl_credit.app import cli
+
+    path = tmp_path / "ng0.yaml"
+    path.write_text('dataset_name: "arithmetic:n=16"\nuse_cpu: true\nnum_generations: 0\n')
+    assert cli.main(["validate", str(path)]) == 2
+    assert "num_generations must be at least 2" in capsys.readouterr().err
+
+
+def test_same_name_entry_points_and_builtin_shadows_are_reported(monkeypatch, capsys):
+    import warnings
+
+    from trl_credit import plugins as loader
+    from trl_credit.app import cli
+    from trl_credit.plugins import Available
+
+    eps = [Available("twin", "pkg_a:Twin", "trl-credit-twin-a", "1.0"),
+           Available("twin", "pkg_b:Twin", "trl-credit-twin-b", "2.0"),
+           Available("grpo", "pkg_c:Mine", "someone-elses-grpo", "0.1")]
+    monkeypatch.setattr(loader, "_entry_points", lambda: eps)
+    with pytest.raises(ConfigError, match=r"two installed distributions name a plugin 'twin': "
+                                          r"trl-credit-twin-a \(pkg_a:Twin\) and trl-credit-twin-b \(pkg_b:Twin\)"):
+        build_plugins(["twin"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugins = build_plugins(["grpo"])  # the built-in is used, and the shadowing entry point is reported
+    assert plugins.plugins[0].info.builtin
+    assert any("someone-elses-grpo (pkg_c:Mine) has the name of a built-in plugin" in str(w.message) for w in caught)
+    assert cli.main(["plugins"]) == 0
+    err = capsys.readouterr().err
+    assert "two installed distributions name a plugin 'twin'" in err and "name of a built-in" in err

@@ -190,3 +190,92 @@ def test_difficulty_reward_passes_the_stated_fraction_of_every_group():
     out = reward(["x"] * 12, difficulty=[1] * 4 + [2] * 4 + [3] * 4, trl_credit_prompt_index=[5] * 4 + [9] * 4 + [2] * 4)
     assert out == [1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]
     assert log == [[5, 9, 2]] and reward.__name__ == "difficulty_reward"
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("completion_mask", lambda b: b.completion_mask.zero_()),
+    ("rewards", lambda b: b.rewards.mul_(2)),
+    ("completion_ids", lambda b: b.completion_ids.fill_(0)),
+    ("kept", lambda b: b.kept.fill_(False)),
+])
+def test_a_hook_that_edits_the_batch_in_place_is_stopped(field, edit):
+    """Today's worst silent fault: `batch.completion_mask.zero_()` in a shaper trained nothing and exited 0."""
+    from trl_credit import Plugin, PluginRuntimeError, hookimpl
+    from trl_credit.testing import make_batch, run_plugin
+
+    class Vandal(Plugin):
+        """Edits the batch in place."""
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            edit(batch)
+
+    with pytest.raises(PluginRuntimeError, match=rf"plugin 'vandal' modified batch.{field} in place in shape_rewards "
+                                                 r"at step 0: the batch is read-only"):
+        run_plugin(Vandal, make_batch([1, 0, 1, 0], 2))
+
+
+def test_cached_scores_are_read_only_and_a_copy_is_fine():
+    from trl_credit import Plugin, PluginRuntimeError, hookimpl
+    from trl_credit.testing import make_batch, run_plugin
+
+    class EditsScores(Plugin):
+        """Writes into the shared log-prob cache."""
+
+        @hookimpl
+        def transform_advantages(self, batch, advantages):
+            batch.policy_logps()  # cached now: the next plugin call would see the edit
+            return None
+
+        @hookimpl
+        def on_batch_end(self, batch, advantages):
+            batch.policy_logps().add_(1.0)
+
+    with pytest.raises(PluginRuntimeError, match="modified the cached policy_logps scores in place in on_batch_end"):
+        run_plugin(EditsScores, make_batch([1, 0], 2, lengths=[2, 2], logps=-torch.ones(2, 2)))
+
+    class Copies(Plugin):
+        """Edits its own copy."""
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            mask = batch.completion_mask.clone()
+            mask.zero_()
+            return batch.rewards * 2
+
+    result = run_plugin(Copies, make_batch([1, 0], 2))
+    assert result.rewards.flatten().tolist() == [2.0, 0.0]
+
+
+def test_tensor_version_counter_exists():
+    """The read-only check relies on torch's in-place version counter (a private name: pinned here)."""
+    x = torch.zeros(2)
+    v = x._version
+    x.add_(1)
+    assert x._version == v + 1
+
+
+def test_a_plugin_that_exits_or_returns_a_non_number_beta_is_named():
+    from trl_credit import Plugin, PluginRuntimeError, hookimpl
+    from trl_credit.testing import make_batch, run_plugin
+
+    class Exits(Plugin):
+        """Calls sys.exit in a hook."""
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            raise SystemExit(0)
+
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'exits' raised in shape_rewards at step 0: SystemExit"):
+        run_plugin(Exits, make_batch([1, 0], 2))
+
+    class WordBeta(Plugin):
+        """Returns a string as beta."""
+
+        @hookimpl
+        def kl_coefficient(self, batch):
+            return "high"
+
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'word_beta' returned a str \(expected a number or None\) "
+                                                 r"from kl_coefficient at step 4"):
+        run_plugin(WordBeta, make_batch([1, 0], 2, step=4))

@@ -465,3 +465,12 @@ def test_resume_with_refill_is_exact(make_trainer, tmp_path):
     assert [s for s, _, _ in first] == [0, 1] and [s for s, _, _ in second] == [2, 3]
     assert first + second == full  # prompts (refill included) and rewards
     assert {**first_losses, **second_losses} == pytest.approx(full_losses, abs=1e-7)
+
+
+def test_an_infinite_reward_is_reported_with_its_function_name(make_trainer):
+    def blows_up(completions, **kwargs):
+        return [float("inf")] + [0.0] * (len(completions) - 1)
+
+    trainer = make_trainer(plugins=[fx.Passthrough], reward_funcs=[blows_up], max_steps=1)
+    with pytest.raises(ValueError, match=r"reward function\(s\) blows_up returned inf at step 0 \(1 value\(s\)\)"):
+        trainer.train()

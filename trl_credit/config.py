@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from trl_credit import hookspecs
 from trl_credit.plugin import Members, PluginInfo, RunInfo, members, near_misses
-from trl_credit.plugins import Available, available, implemented_hooks, new_manager
+from trl_credit.plugins import Available, available, entry_point_problems, implemented_hooks, new_manager
 
 
 class ConfigError(ValueError):
@@ -154,6 +155,7 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     advantage estimators.
     """
     items = normalize_items(raw)
+    clashes = entry_point_problems() if installed is None else {}
     installed = available() if installed is None else installed
     problems: list[str] = []
     enabled: list[EnabledPlugin] = []
@@ -168,6 +170,11 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
             if info is None:
                 problems.append(unknown_plugin_message(index, name, installed))
                 continue
+            if name in clashes and not info.builtin:
+                problems.append(f"plugins[{index}] ({name}): {clashes[name]}")
+                continue
+            if name in clashes:
+                warnings.warn(f"plugins[{index}] ({name}): {clashes[name]}", stacklevel=2)
             try:
                 cls = info.load()
             except Exception:  # an enabled plugin that cannot be imported must say why

@@ -61,17 +61,27 @@ class Pipeline:
     # ---------------------------------------------------------------- calling
     def _call(self, plugin: EnabledPlugin, hook: str, at_step: int, **kwargs: Any) -> Any:
         function, argnames = self._impls[(plugin.key, hook)]
+        batch = kwargs.get("batch")
+        before = _tensor_versions(batch) if batch is not None else None
         start = time.perf_counter()
         try:
-            return function(**{k: kwargs[k] for k in argnames})
+            out = function(**{k: kwargs[k] for k in argnames})
         except PluginRuntimeError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin may not end the run: SystemExit is an error too
             raise PluginRuntimeError(
                 f"plugin '{plugin.key}' raised in {hook} at step {at_step}: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
             self.seconds[plugin.key] += time.perf_counter() - start
+        if before is not None:
+            changed = [name for name, (tensor, version) in before.items() if tensor._version != version]
+            if changed:
+                raise PluginRuntimeError(
+                    f"plugin '{plugin.key}' modified {', '.join(changed)} in place in {hook} at step {at_step}: "
+                    "the batch is read-only (other plugins and the loss read it); return new values instead "
+                    "(e.g. `x = batch.completion_mask.clone()`)")
+        return out
 
     def _fail(self, plugin: EnabledPlugin, hook: str, step: int, what: str) -> None:
         raise PluginRuntimeError(f"plugin '{plugin.key}' returned {what} from {hook} at step {step}")
@@ -174,7 +184,10 @@ class Pipeline:
             out = self._call(plugin, "kl_coefficient", batch.step, batch=batch)
             if out is None:
                 return None
-            beta = float(out)
+            try:
+                beta = float(out)
+            except (TypeError, ValueError):
+                self._fail(plugin, "kl_coefficient", batch.step, f"a {type(out).__name__} (expected a number or None)")
             if not math.isfinite(beta) or beta < 0:
                 self._fail(plugin, "kl_coefficient", batch.step, f"beta = {beta}; it must be finite and >= 0")
             return beta
@@ -236,6 +249,26 @@ class Pipeline:
                                          f"{type(exc).__name__}: {exc}") from exc
             restored.append(p.key)
         return restored
+
+
+_READ_ONLY = ("completion_ids", "completion_mask", "rewards", "reward_weights", "kept", "prompt_index")
+
+
+def _tensor_versions(batch: RolloutBatch) -> dict[str, tuple[torch.Tensor, int]]:
+    """The batch tensors a hook may read but not write, with their in-place version counters.
+
+    A view's lazy ids and mask count once materialised, and the scores cached on the root batch
+    (shared by every plugin) are included. ``Tensor._version`` counts in-place writes (pinned by a test).
+    """
+    found = {}
+    for name in _READ_ONLY:
+        value = batch.__dict__.get(name)
+        if isinstance(value, torch.Tensor):
+            found[f"batch.{name}"] = (value, value._version)
+    for kind, value in batch.root.token_cache.items():
+        if isinstance(value, torch.Tensor):
+            found[f"the cached {kind} scores"] = (value, value._version)
+    return found
 
 
 def kept_advantages(pipeline: Pipeline, batch: RolloutBatch) -> torch.Tensor:

@@ -39,20 +39,43 @@ class Available:
         return obj
 
 
+def _entry_points() -> list[Available]:
+    if os.environ.get("TRL_CREDIT_NO_ENTRY_POINTS") == "1":
+        return []
+    out = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep, "dist", None)
+        out.append(Available(ep.name, ep.value, dist.name if dist else None, dist.version if dist else None))
+    return out
+
+
 def available(include_builtins: bool = True) -> dict[str, Available]:
-    """Installed plugins by YAML name (entry points first; a built-in name cannot be shadowed)."""
+    """Installed plugins by YAML name (a built-in name cannot be shadowed; see `entry_point_problems`)."""
     found: dict[str, Available] = {}
-    if os.environ.get("TRL_CREDIT_NO_ENTRY_POINTS") != "1":
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = getattr(ep, "dist", None)
-            found[ep.name] = Available(
-                ep.name, ep.value, dist.name if dist else None, dist.version if dist else None
-            )
+    for info in _entry_points():
+        found.setdefault(info.name, info)
     if include_builtins:
         version = _host_version()
         for name, value in BUILTIN_PATHS.items():
             found[name] = Available(name, value, "trl-credit", version, builtin=True)
     return found
+
+
+def entry_point_problems() -> dict[str, str]:
+    """``{name: problem}`` for plugin names that two installed distributions claim, or that shadow a built-in."""
+    by_name: dict[str, list[Available]] = {}
+    for info in _entry_points():
+        by_name.setdefault(info.name, []).append(info)
+    problems = {}
+    for name, infos in by_name.items():
+        claims = sorted({f"{i.distribution or '?'} ({i.value})" for i in infos})
+        if name in BUILTIN_PATHS:
+            problems[name] = (f"the entry point '{name}' of {', '.join(claims)} has the name of a built-in plugin; the "
+                              f"built-in is used and the entry point is ignored: rename it in that package")
+        elif len(claims) > 1:
+            problems[name] = (f"two installed distributions name a plugin '{name}': {' and '.join(claims)}; "
+                              "uninstall one of them (pip uninstall ...)")
+    return problems
 
 
 def _host_version() -> str | None:

@@ -68,6 +68,11 @@ class CreditGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards)
+        if bool(infinite.any()):  # NaN means "no reward" (None); inf would turn every advantage into NaN
+            names = [name for name, bad in zip(self.reward_func_names, infinite.any(dim=0).tolist()) if bad]
+            raise ValueError(f"reward function(s) {', '.join(names)} returned inf at step {self.state.global_step} "
+                             f"({int(infinite.sum())} value(s)); return finite numbers, or None for no reward")
         if self.pipeline.active:
             self._credit_round = {"inputs": inputs, "prompts": prompts, "completions": completions, "rewards": rewards}
         return rewards

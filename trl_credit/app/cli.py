@@ -65,9 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            from trl_credit.app.train_command import dump, train
+            from trl_credit.app.train_command import NothingTrained, dump, train
 
-            metrics = train(args.config, _overrides(args.overrides))
+            try:
+                metrics = train(args.config, _overrides(args.overrides))
+            except NothingTrained as exc:
+                print(f"trl-credit: {exc}", file=sys.stderr)
+                return 1
+            except (SystemExit, KeyboardInterrupt) as exc:  # never exit 0 without a trained model
+                what = f"SystemExit({exc.code!r})" if isinstance(exc, SystemExit) else "KeyboardInterrupt"
+                print(f"trl-credit: training was stopped by {what} (raised by a reward function, a plugin or the "
+                      "user); the run did not finish and no final model was saved", file=sys.stderr)
+                return 130 if isinstance(exc, KeyboardInterrupt) else 1
             if metrics.get("is_main_process", True):
                 print(dump(metrics))
         elif args.command == "eval":
@@ -164,6 +173,10 @@ def _plugins(args) -> int:
         for name, field in entry.get("config", {}).items():
             print(f"  {name}: {field['type']} = {field['default']!r}  {field['description']}")
         return 0
+    from trl_credit.plugins import entry_point_problems
+
+    for problem in entry_point_problems().values():
+        print(f"trl-credit: warning: {problem}", file=sys.stderr)
     entries = [_describe(info, with_config=args.json) for info in found.values() if args.all or not info.builtin]
     entries.sort(key=lambda e: e["name"])
     if args.json:

@@ -102,6 +102,9 @@ def load_config(path: str, overrides: list[str] | None = None) -> Loaded:
         raise ConfigError([f"{path}: invalid value for a TRL option: {reason}"]) from None
     except (ValueError, TypeError) as exc:
         raise ConfigError([f"{path}: {exc}"]) from None
+    except ZeroDivisionError:  # GRPOConfig divides by num_generations before checking it
+        raise ConfigError([f"{path}: num_generations must be at least 2 (GRPO compares the completions of a "
+                           "prompt with each other); got 0"]) from None
     finally:
         os.unlink(stripped)
     script_args, training_args, model_args, dataset_args, credit_args = parsed
@@ -200,7 +203,15 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
         trainer.accelerator.print(f"held-out accuracy before training: {metrics['heldout_accuracy_before']:.3f} "
                                   f"({len(heldout)} prompts, greedy, {metrics['heldout_seconds']} s)")
     clock = time.time()
+    start_step = trainer.state.global_step
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    if trainer.state.global_step == 0 or (targs.resume_from_checkpoint is None and trainer.state.global_step == start_step):
+        raise NothingTrained(
+            f"{path}: the run made 0 optimiser steps (training set: {len(train_set)} rows; max_steps="
+            f"{targs.max_steps}, num_train_epochs={targs.num_train_epochs}, num_iterations={targs.num_iterations}): "
+            + ("num_iterations must be at least 1" if targs.num_iterations < 1 else
+               "a generation batch needs generation_batch_size / num_generations distinct prompts: use a larger "
+               "dataset or smaller batches"))
     metrics["train_seconds"] = round(time.time() - clock, 1)
     metrics["seconds_per_step"] = round(metrics["train_seconds"] / max(trainer.state.global_step, 1), 2)
     trainer.save_model(targs.output_dir)
@@ -221,6 +232,10 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
 
 
 CONFIG_FILE = "trl_credit_config.yaml"
+
+
+class NothingTrained(RuntimeError):
+    """A run that finished without a single optimiser step (`trl-credit train` exits 1)."""
 
 
 def resolved_config(cfg: Loaded, overrides: list[str] | None = None) -> dict[str, Any]:
