@@ -5,6 +5,8 @@ constant-group filter with refill and a token-credit transform) and saves, per r
 batch each hook saw, the advantages the host computed for it and the local slice the rank trained on.
 Mode ``curriculum``: trains 4 steps with a curriculum whose weights depend on the host's per-prompt
 statistics, and saves what every rank drew and its final statistics.
+Modes ``resume-full`` / ``resume-part`` / ``resume``: 4 steps with refill and a checkpoint every 2;
+``resume-part`` stops after the step-2 checkpoint, ``resume`` continues from it.
 """
 
 import sys
@@ -57,15 +59,24 @@ class MidPassRate:
         return torch.where(torch.isnan(p), torch.ones_like(p), p * (1 - p) + 0.01)
 
 
-steps = 4 if mode == "curriculum" else 2
+resuming = mode.startswith("resume")
+steps = 4 if mode == "curriculum" or resuming else 2
 args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
-                  max_steps=steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                  seed=0, learning_rate=1e-3)
+                  max_steps=steps, logging_steps=1, report_to="none", save_strategy="steps" if resuming else "no",
+                  save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
 plugins = ([MidPassRate, Record] if mode == "curriculum" else
            [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
 trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
                          train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
-trainer.train()
+if mode == "resume-part":
+    from transformers import TrainerCallback
+
+    class StopAt2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    trainer.add_callback(StopAt2())
+trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-2" if mode == "resume" else None)
 rank = trainer.accelerator.process_index
-torch.save({"world": trainer.accelerator.num_processes, "records": records, "log_history": trainer.state.log_history,
-            "prompt_stats": trainer.prompt_stats.state_dict()}, f"{out_dir}/rank{rank}.pt")
+torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode, "log_history": trainer.state.log_history,
+            "prompt_stats": trainer.prompt_stats.state_dict()}, f"{out_dir}/{mode}-rank{rank}.pt")

@@ -197,3 +197,56 @@ def test_same_name_entry_points_and_builtin_shadows_are_reported(monkeypatch, ca
     assert cli.main(["plugins"]) == 0
     err = capsys.readouterr().err
     assert "two installed distributions name a plugin 'twin'" in err and "name of a built-in" in err
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("loss_type: dapoo", "loss_type: 'dapoo' is not a TRL 1.16 loss type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, "
+                         "luspo, vespo); did you mean 'dapo'?"),
+    ("scale_rewards: groups", "scale_rewards: 'groups' must be one of group, batch, none; did you mean 'group'?"),
+    ("temperature: 0", "temperature: 0 must be > 0"),
+    ("beta: -0.5", "beta: -0.5 must be >= 0"),
+    ("reward_weights: [1.0, 2.0]", "reward_weights: 2 weight(s) for 1 reward function(s) (arithmetic_accuracy)"),
+    ("resume_from_checkpoint: nope/checkpoint-3", "resume_from_checkpoint: 'nope/checkpoint-3' is not a directory"),
+    ("model_name_or_path: smollm2-135m-instrct", "did you mean 'smollm2-135m-instruct'?"),
+    ("model_name_or_path: ./models/missing", "'./models/missing' looks like a local path but does not exist"),
+    ("dataset_name: ./nofile.jsonl", "dataset_name: './nofile.jsonl' does not exist"),
+    ('dataset_name: "arithmetic:n=0"', "the training dataset is empty"),
+    ("reward_funcs: [needs_gold.reward]", "reward function reward reads dataset column(s) gold"),
+])
+def test_validate_checks_what_the_run_will_meet(tmp_path, capsys, monkeypatch, line, expected):
+    from trl_credit.app import cli
+
+    (tmp_path / "needs_gold.py").write_text("def reward(completions, gold, **kwargs):\n    return [0.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    body = 'use_cpu: true\n' + ('' if line.startswith("dataset_name") else 'dataset_name: "arithmetic:n=16"\n')
+    path = tmp_path / "run.yaml"
+    path.write_text(body + line + "\n")
+    assert cli.main(["validate", str(path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_use_vllm_without_vllm_is_refused(tmp_path, capsys):
+    import importlib.util
+
+    from trl_credit.app import cli
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    path = tmp_path / "run.yaml"
+    path.write_text('use_cpu: true\ndataset_name: "arithmetic:n=16"\nuse_vllm: true\n')
+    assert cli.main(["validate", str(path)]) == 2
+    assert "use_vllm: true, but vLLM is not installed" in capsys.readouterr().err
+
+
+def test_bf16_on_a_cpu_without_bf16_is_warned_about(tmp_path, capsys, monkeypatch):
+    from trl_credit.app import cli, train_command
+
+    path = tmp_path / "run.yaml"
+    path.write_text('use_cpu: true\nbf16: true\ndataset_name: "arithmetic:n=16"\n')
+    monkeypatch.setattr(train_command, "cpu_has_bf16", lambda: False)
+    assert cli.main(["validate", str(path)]) == 0
+    assert "bf16 is on, but this CPU has no bf16 instructions" in capsys.readouterr().err
+    monkeypatch.setattr(train_command, "cpu_has_bf16", lambda: True)
+    assert cli.main(["validate", str(path)]) == 0
+    assert "bf16" not in capsys.readouterr().err

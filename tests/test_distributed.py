@@ -25,7 +25,7 @@ def launch_two(tmp_path, mode: str, port: int) -> list[dict]:
            str(HERE / "distributed_worker.py"), str(tmp_path), mode]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.distributed
@@ -73,3 +73,19 @@ def test_curriculum_draws_the_same_prompts_on_every_process(tmp_path, tiny_model
     for key in ("seen", "passed", "reward_sum", "last_step"):  # statistics identical, and really updated
         assert torch.equal(ranks[0]["prompt_stats"][key], ranks[1]["prompt_stats"][key]), key
     assert ranks[0]["prompt_stats"]["seen"].sum() == 4 * 12
+
+
+@pytest.mark.distributed
+def test_resume_with_refill_is_exact_on_two_processes(tmp_path, tiny_model):
+    """4 uninterrupted steps equal 2 + resume + 2 on two processes: same prompts, rewards and losses."""
+    full = launch_two(tmp_path / "full", "resume-full", 29535)
+    first = launch_two(tmp_path / "part", "resume-part", 29536)
+    second = launch_two(tmp_path / "part", "resume", 29537)
+    for rank in range(2):
+        seen = [(r["prompt_index"].tolist(), r["rewards"].tolist()) for r in first[rank]["records"] + second[rank]["records"]]
+        assert seen == [(r["prompt_index"].tolist(), r["rewards"].tolist()) for r in full[rank]["records"]]
+        losses = {h["step"]: h["loss"] for run in (first, second) for h in run[rank]["log_history"] if "loss" in h}
+        assert losses == pytest.approx({h["step"]: h["loss"] for h in full[rank]["log_history"] if "loss" in h},
+                                       abs=1e-7)
+    rounds = [h["trl_credit/generation_rounds"] for h in full[0]["log_history"] if "trl_credit/generation_rounds" in h]
+    assert len(rounds) == 4 and max(rounds) > 1, rounds

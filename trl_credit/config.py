@@ -355,17 +355,61 @@ def _reward_problems(plugins: PluginSet, reward_names: list[str]) -> list[str]:
                                 "it to reward_funcs or point the plugin's option at one of these")
 
 
+#: TRL 1.16's loss types and reward scalings (values GRPOConfig accepts but GRPOTrainer rejects or misreads later)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def trl_problems(args: Any, reward_names: list[str] | None) -> list[str]:
+    """TRL settings that GRPOConfig accepts but the trainer rejects, misreads or fails on later."""
+    import importlib.util
+    import os
+
+    problems = []
+
+    def close(value: str, choices: tuple[str, ...]) -> str:
+        match = difflib.get_close_matches(str(value), list(choices), n=1)
+        return f"; did you mean '{match[0]}'?" if match else ""
+
+    loss_type = getattr(args, "loss_type", "dapo")
+    if loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type: {loss_type!r} is not a TRL 1.16 loss type ({', '.join(LOSS_TYPES)})"
+                        + close(loss_type, LOSS_TYPES))
+    scale = getattr(args, "scale_rewards", "group")
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    if scale not in SCALE_REWARDS:
+        problems.append(f"scale_rewards: {scale!r} must be one of {', '.join(SCALE_REWARDS)}" + close(scale, SCALE_REWARDS))
+    temperature = getattr(args, "temperature", 1.0)
+    if temperature is not None and not temperature > 0:
+        problems.append(f"temperature: {temperature} must be > 0 (sampling divides the logits by it)")
+    beta = getattr(args, "beta", 0.0)
+    if beta is not None and beta < 0:
+        problems.append(f"beta: {beta} must be >= 0 (the KL penalty's coefficient)")
+    weights = getattr(args, "reward_weights", None)
+    if weights is not None and reward_names is not None and len(weights) != len(reward_names):
+        problems.append(f"reward_weights: {len(weights)} weight(s) for {len(reward_names)} reward function(s) "
+                        f"({', '.join(reward_names)}); give one weight per reward function")
+    if getattr(args, "use_vllm", False) and importlib.util.find_spec("vllm") is None:
+        problems.append("use_vllm: true, but vLLM is not installed; `pip install vllm` (a GPU machine) or set "
+                        "use_vllm: false")
+    resume = getattr(args, "resume_from_checkpoint", None)
+    if isinstance(resume, str) and resume.lower() not in ("true", "false") and not os.path.isdir(resume):
+        problems.append(f"resume_from_checkpoint: {resume!r} is not a directory; give a checkpoint folder such as "
+                        f"{os.path.join(getattr(args, 'output_dir', 'out') or 'out', 'checkpoint-500')}")
+    return problems
+
+
 def check_run(plugins: PluginSet, args: Any, reward_names: list[str] | None, columns: list[str] | None,
               peft: bool) -> RunInfo:
     """Every check a run needs before its model loads; raises one `ConfigError` listing all problems.
 
-    Reward columns (``required_rewards``), dataset columns (``required_columns``, when ``columns``
-    is known), the KL reference a ``kl_coefficient`` plugin needs, and each plugin's ``check_args``
-    on the resolved run. `trl-credit validate` and `CreditGRPOTrainer.__init__` both call it.
+    TRL settings TRL itself rejects only later (`trl_problems`), reward columns (``required_rewards``),
+    dataset columns (``required_columns``, when ``columns`` is known), the KL reference a
+    ``kl_coefficient`` plugin needs, and each plugin's ``check_args`` on the resolved run. `trl-credit validate` and `CreditGRPOTrainer.__init__` both call it.
     """
     run = RunInfo(args=args, reward_names=tuple(reward_names or ()),
                   columns=tuple(columns) if columns is not None else None, peft=peft, plugins=plugins.infos())
-    problems: list[str] = []
+    problems: list[str] = trl_problems(args, None if reward_names is None else list(reward_names))
     if reward_names is not None:
         problems += _reward_problems(plugins, list(reward_names))
     if columns is not None:

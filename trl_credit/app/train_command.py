@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,30 +142,133 @@ def reward_functions(cfg: Loaded) -> list:
 
 
 def validate(path: str, overrides: list[str] | None = None) -> Loaded:
-    """All configuration checks that need no model: YAML, TRL keys, plugins and their ``check_args``,
-    reward and dataset columns (for local and built-in datasets), the KL reference."""
+    """All configuration checks that need no model: YAML, TRL keys and settings, the model name, the
+    dataset (built-in and local: not empty, a prompt column, the columns rewards and plugins read),
+    plugins and their ``check_args``, reward columns, the KL reference."""
     cfg = load_config(path, overrides)
     name = cfg.script_args.dataset_name or "arithmetic"
-    columns = None
-    if name.startswith("arithmetic") or os.path.exists(name.split(":")[0]):
+    train = None
+    problems = model_problems(cfg) + dataset_file_problems(cfg)
+    if not problems and (name.startswith("arithmetic") or os.path.exists(name.split(":")[0])):
         train, _ = load_datasets(cfg)
-        columns = list(train.column_names)
-    check_loaded(cfg, reward_names(reward_functions(cfg)), columns)
+    funcs = reward_functions(cfg)
+    check_loaded(cfg, funcs, train, problems)
+    warning = bf16_warning(cfg)
+    if warning:
+        print(f"trl-credit: warning: {warning}", file=sys.stderr)
     return cfg
 
 
-def check_loaded(cfg: Loaded, rewards: list[str], columns: list[str] | None) -> None:
-    """`trl_credit.config.check_run` on a parsed config (what `validate` and `train` check before loading)."""
-    check_run(cfg.plugins, cfg.training_args, rewards, columns, bool(cfg.model_args.use_peft))
+_LOCAL_DATA = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+#: arguments TRL passes to every reward function itself (not dataset columns)
+_TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                    "environments", "tool_calls"}
+
+
+def cpu_has_bf16() -> bool | None:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX-BF16); None when it cannot be told."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = handle.read()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_warning(cfg: Loaded) -> str | None:
+    """A warning when bf16 autocast will run on a CPU without bf16 units (a very slow fallback)."""
+    targs = cfg.training_args
+    if not getattr(targs, "bf16", False):
+        return None
+    import torch
+
+    on_cpu = targs.use_cpu or not torch.cuda.is_available()
+    if on_cpu and cpu_has_bf16() is False:
+        return (f"{cfg.path}: bf16 is on, but this CPU has no bf16 instructions: autocast falls back to a slow "
+                "path (a QLoRA step took minutes instead of 31 s here); set `bf16: false` on this machine")
+    return None
+
+
+def model_problems(cfg: Loaded) -> list[str]:
+    """An embedded-model alias with a typo, or a local-looking model path that does not exist."""
+    from trl_credit.app.models import EMBEDDED_MODELS
+
+    name = cfg.model_args.model_name_or_path
+    if not name or os.path.exists(name) or name.strip().lower() in EMBEDDED_MODELS:
+        return []
+    close = difflib.get_close_matches(name.strip().lower(), list(EMBEDDED_MODELS), n=1, cutoff=0.8)
+    if close:
+        return [f"{cfg.path}: model_name_or_path: {name!r} is neither a local path nor an embedded model; did you "
+                f"mean '{close[0]}'? (embedded: {', '.join(EMBEDDED_MODELS)})"]
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return [f"{cfg.path}: model_name_or_path: {name!r} looks like a local path but does not exist"]
+    return []  # a hub id: not checkable offline
+
+
+def dataset_file_problems(cfg: Loaded) -> list[str]:
+    name = (cfg.script_args.dataset_name or "").split(":")[0]
+    if name.lower().endswith(_LOCAL_DATA) and not os.path.exists(name):
+        return [f"{cfg.path}: dataset_name: {name!r} does not exist (a local data file; hub ids have no extension)"]
+    return []
+
+
+def reward_columns(funcs: list) -> dict[str, list[str]]:
+    """``{reward function: dataset columns it takes}``: its parameters without defaults that TRL does not pass."""
+    import inspect
+
+    out = {}
+    for func in funcs:
+        if not callable(func):
+            continue
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        needed = [p.name for p in params if p.default is inspect.Parameter.empty
+                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _TRL_REWARD_ARGS]
+        if needed:
+            out[getattr(func, "__name__", type(func).__name__)] = needed
+    return out
+
+
+def check_loaded(cfg: Loaded, funcs: list, train: Any, problems: list[str] | None = None) -> None:
+    """What `validate` and `train` check before loading: the dataset (when loaded), the reward functions'
+    columns, then `trl_credit.config.check_run` (TRL settings, plugins); one `ConfigError` lists them all."""
+    problems = list(problems or [])
+    columns = None
+    if train is not None:
+        columns = list(train.column_names)
+        if len(train) == 0:
+            problems.append(f"{cfg.path}: the training dataset is empty")
+        if "prompt" not in columns:
+            problems.append(f"{cfg.path}: the training dataset has no 'prompt' column (columns: {', '.join(columns)}); "
+                            "TRL's GRPO reads the prompts from it")
+        for func, needed in reward_columns(funcs).items():
+            missing = [c for c in needed if c not in columns]
+            if missing:
+                problems.append(f"{cfg.path}: reward function {func} reads dataset column(s) {', '.join(missing)}, "
+                                f"which the training dataset lacks (columns: {', '.join(columns)})")
+    try:
+        check_run(cfg.plugins, cfg.training_args, reward_names(funcs), columns, bool(cfg.model_args.use_peft))
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
 
 
 def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run a training config end to end; returns the metrics written to ``<output_dir>/metrics.json``."""
     started = time.time()
     cfg = load_config(path, overrides)
+    problems = model_problems(cfg) + dataset_file_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     train_set, eval_set = load_datasets(cfg)
     funcs = reward_functions(cfg)
-    check_loaded(cfg, reward_names(funcs), list(train_set.column_names))  # before the model is resolved or loaded
+    check_loaded(cfg, funcs, train_set)  # before the model is resolved or loaded
+    warning = bf16_warning(cfg)
+    if warning:
+        print(f"trl-credit: warning: {warning}", file=sys.stderr)
 
     from trl import get_peft_config, get_quantization_config
 
