@@ -99,3 +99,16 @@ def test_resume_stops_when_a_plugin_cannot_load_its_state(make_trainer, tmp_path
     again = make_trainer(plugins=[fx.Counter], reward_funcs=reward, max_steps=2)
     with pytest.raises(CheckpointError, match="is missing, but plugin"):
         again.train(resume_from_checkpoint=checkpoint)
+
+
+def test_resume_on_a_dataset_of_another_size_names_the_file(make_trainer, tmp_path):
+    from trl_credit.app.data import make_arithmetic
+
+    reward = [lambda completions, **kw: [1.0] * len(completions)]
+    trainer = make_trainer(plugins=[fx.Counter], reward_funcs=reward, max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    resumed = make_trainer(plugins=[fx.Counter], reward_funcs=reward, max_steps=2, dataset=make_arithmetic(32, seed=0))
+    with pytest.raises(CheckpointError, match=rf"{os.path.join(checkpoint, STATE_FILE)}: the prompt statistics do not "
+                                              r"fit this training set of 32 prompts .*was the dataset changed"):
+        resumed.train(resume_from_checkpoint=checkpoint)
