@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from trl_credit import cache
-from trl_credit.app import models
 from trl_credit.testing import tiny
 from trl_credit.app.models import EMBEDDED_MODELS, resolve_model
 from trl_credit.testing.tiny import tiny_model

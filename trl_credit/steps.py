@@ -38,10 +38,8 @@ import re
 import sys
 import weakref
 from array import array
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from functools import lru_cache
-from itertools import accumulate, chain
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -385,6 +383,27 @@ class StepConfig(BaseModel):
     pattern: str = Field(
         r"\n+", description="regex that separates steps in a completion (default: newlines)"
     )
+
+    def check_scorer_kwargs(self) -> None:
+        """Raise `ConfigError` (key ``scorer_kwargs``) when the scorer's signature does not take
+        ``scorer_kwargs``: ``scorer(prompts, completions, steps, columns, **scorer_kwargs)`` would raise at the
+        first batch. Step plugins call it from ``check_args``."""
+        import inspect
+
+        from trl_credit.config import ConfigError
+
+        try:
+            signature = inspect.signature(resolve_step_scorer(self.scorer))
+        except (TypeError, ValueError):  # no signature to read (a builtin): the first batch tells
+            return
+        try:
+            signature.bind([], [], [], {}, **self.scorer_kwargs)
+        except TypeError as exc:
+            plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                      return_annotation=signature.empty)
+            raise ConfigError.for_key(
+                "scorer_kwargs", f"step scorer {self.scorer!r} cannot be called with {self.scorer_kwargs} ({exc})",
+                f"pass only keyword options the scorer takes; its signature is {plain}") from None
 
     @field_validator("scorer")
     @classmethod

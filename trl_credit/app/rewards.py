@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-
-from trl_credit.answers import NUMBER_PATTERN, completion_text, last_number
 from typing import Any
+
+from trl_credit.answers import completion_text, last_number
 
 __all__ = ["arithmetic_accuracy", "arithmetic_steps", "completion_text", "known_reward_names", "last_number",
            "resolve_reward_funcs"]

@@ -168,7 +168,7 @@ def test_check_args_refuses_loss_types_it_cannot_be_exact_with(loss_type):
     with pytest.raises(ConfigError) as error:
         check_args(BalancedAggregation, {}, loss_type=loss_type, **RUN, **extra)
     message = str(error.value)
-    assert "(balanced_aggregation)" in message and f"loss_type: balanced_aggregation cannot" in message
+    assert "(balanced_aggregation)" in message and "loss_type: balanced_aggregation cannot" in message
     assert f"loss_type={loss_type!r}" in message and REFUSED_LOSS_TYPES[loss_type] in message
     assert "fix: set `loss_type: dapo`" in message
 

@@ -59,28 +59,6 @@ def gated_accumulation(outcome: Any, step_rewards: Any, tau: float = 1.0, weight
     return torch.where(gate, weight * s, torch.zeros_like(s))
 
 
-def _scorer_kwargs_problems(config: StepConfig) -> list[str]:
-    """``ConfigError`` lines when the step scorer's signature does not take ``config.scorer_kwargs``
-    (a call ``scorer(prompts, completions, steps, columns, **scorer_kwargs)`` would raise TypeError)."""
-    import inspect
-
-    from trl_credit import resolve_step_scorer
-
-    func = resolve_step_scorer(config.scorer)
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):  # no signature to read (a builtin): the first batch tells
-        return []
-    try:
-        signature.bind([], [], [], {}, **config.scorer_kwargs)
-    except TypeError as exc:
-        plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-                                  return_annotation=signature.empty)
-        return ConfigError.for_key(
-            "scorer_kwargs", f"step scorer {config.scorer!r} cannot be called with {config.scorer_kwargs} ({exc})",
-            f"pass only keyword options the scorer takes; its signature is {plain}").problems
-    return []
-
 
 class GatedRewardAccumulation(Plugin):
     """G-RA: ``R = R_out + 1[R_out >= tau] * sum_k r_k`` (step rewards from a step scorer)."""
@@ -119,7 +97,11 @@ class GatedRewardAccumulation(Plugin):
         """Refuse ``scorer_kwargs`` the step scorer does not take, and an ``append_column`` that a reward
         function already produces (the gated term would overwrite that column instead of being appended)."""
         c = self.config
-        problems = _scorer_kwargs_problems(c)
+        problems = []
+        try:
+            c.check_scorer_kwargs()
+        except ConfigError as exc:
+            problems += exc.problems
         if c.append_column is not None and c.append_column in run.reward_names:
             problems += ConfigError.for_key(
                 "append_column", f"{c.append_column!r} is already a reward column (reward functions: "

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from trl_credit import ConfigError, Plugin, StepConfig, hookimpl
+from trl_credit import Plugin, StepConfig, hookimpl
 
 if TYPE_CHECKING:
     import torch
@@ -146,28 +146,6 @@ def group_normalize_steps(r: Any, counts: Any, num_generations: int, eps: float 
     return (((vals - mean) / (std + eps)) * mask).reshape(n, s)
 
 
-def _scorer_kwargs_problems(config: StepConfig) -> list[str]:
-    """``ConfigError`` lines when the step scorer's signature does not take ``config.scorer_kwargs``
-    (a call ``scorer(prompts, completions, steps, columns, **scorer_kwargs)`` would raise TypeError)."""
-    import inspect
-
-    from trl_credit import resolve_step_scorer
-
-    func = resolve_step_scorer(config.scorer)
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):  # no signature to read (a builtin): the first batch tells
-        return []
-    try:
-        signature.bind([], [], [], {}, **config.scorer_kwargs)
-    except TypeError as exc:
-        plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
-                                  return_annotation=signature.empty)
-        return ConfigError.for_key(
-            "scorer_kwargs", f"step scorer {config.scorer!r} cannot be called with {config.scorer_kwargs} ({exc})",
-            f"pass only keyword options the scorer takes; its signature is {plain}").problems
-    return []
-
 
 class PRMClipDelta(Plugin):
     """Token credit from refined PRM step rewards (Gao et al. 2024, arXiv 2410.15115).
@@ -203,9 +181,7 @@ class PRMClipDelta(Plugin):
 
     def check_args(self, run: RunInfo) -> None:
         """Refuse ``scorer_kwargs`` the step scorer does not take (it would fail at the first batch)."""
-        problems = _scorer_kwargs_problems(self.config)
-        if problems:
-            raise ConfigError(problems)
+        self.config.check_scorer_kwargs()
 
     def process_returns(self, batch: RolloutBatch) -> torch.Tensor:
         """``(N, T)`` float32: ``G_{step(t)}`` for every completion token (0 on padding)."""
