@@ -187,14 +187,18 @@ def test_a_run_that_trains_nothing_fails(tmp_path, capsys, extra, reason):
     assert code == 1 and "the run made 0 optimiser steps" in err and reason in err
 
 
-def test_a_reward_function_that_exits_does_not_end_the_run_with_exit_0(tmp_path, capsys, monkeypatch):
-    (tmp_path / "quitter.py").write_text("def reward(completions, **kw):\n    raise SystemExit(0)\n")
+@pytest.mark.parametrize("raised, code, shown", [("SystemExit(0)", 1, "SystemExit(0)"),
+                                                 ("KeyboardInterrupt()", 130, "KeyboardInterrupt")])
+def test_a_reward_function_that_exits_does_not_end_the_run_with_exit_0(tmp_path, capsys, monkeypatch, raised, code,
+                                                                       shown):
+    module = f"quitter_{code}"  # one module per case: an imported module is cached
+    (tmp_path / f"{module}.py").write_text(f"def reward(completions, **kw):\n    raise {raised}\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     path = _tiny_run(tmp_path, 'dataset_name: "arithmetic:n=16"\nper_device_train_batch_size: 4\n'
-                               "reward_funcs: [quitter.reward]\n")
-    assert cli.main(["train", str(path)]) == 1
+                               f"reward_funcs: [{module}.reward]\n")
+    assert cli.main(["train", str(path)]) == code
     err = capsys.readouterr().err
-    assert "training was stopped by SystemExit(0)" in err and "no final model was saved" in err
+    assert f"training was stopped by {shown}" in err and "no final model was saved" in err
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
     assert not (tmp_path / "out" / "model.safetensors").exists()

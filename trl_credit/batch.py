@@ -1,7 +1,9 @@
 """`RolloutBatch`: what every hook sees, and `PromptStats`: what curricula see.
 
 A batch holds whole groups, gathered across processes, identical on every rank. Tensors live on the
-CPU or the training device; plugins should create new tensors with ``device=batch.device``.
+CPU or the training device; plugins should create new tensors with ``device=batch.device``. A batch is
+read-only for hooks: the pipeline stops a plugin that edits one of its tensors (or a cached score) in
+place, because other plugins and TRL's loss read them.
 
 Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`) are lazy: nothing
 runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
