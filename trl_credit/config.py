@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConfigError", "EnabledPlugin", "PluginSet", "build_plugins", "check_run", "instantiate",
+__all__ = ["ConfigError", "EnabledPlugin", "PluginSet", "build_plugins", "check_run", "enable", "instantiate",
            "option_names", "plugin_name"]
 
 import pluggy
@@ -55,7 +55,12 @@ class EnabledPlugin:
     instance: Any
     hooks: list[str]
     info: Available | None = None
-    members: Members = field(default_factory=lambda: Members((), (), (), None, False))
+    members: Members | None = None  # read from the instance when not given
+
+    def __post_init__(self) -> None:
+        if self.members is None:
+            self.members = members(self.instance)
+        self.instance.trl_credit_key = self.key  # the owner of the metrics it logs (`RolloutBatch.log_metric`)
 
     @property
     def config(self) -> BaseModel:
@@ -183,47 +188,12 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
                     f"{info.distribution or 'unknown distribution'} failed:\n{traceback.format_exc()}"
                 )
                 continue
-        misses = near_misses(cls)
-        if misses:
-            problems += [f"plugins[{index}] ({name}): {m}" for m in misses]
-            continue
-        instance, errs = instantiate(cls, options, index, name)
-        problems += errs
-        if instance is None:
-            continue
         counts[name] = counts.get(name, 0) + 1
         key = name if counts[name] == 1 else f"{name}#{counts[name]}"
-        hooks = implemented_hooks(cls)
-        try:
-            manager.register(instance, name=key)
-            manager.check_pending()
-        except pluggy.PluginValidationError as exc:
-            problems.append(
-                f"plugins[{index}] ({name}): {exc}. Hooks a plugin may implement: {', '.join(hookspecs.HOOKS)} "
-                "(see `trl-credit plugins show grpo` or docs/hooks.md for their arguments)"
-            )
-            if manager.is_registered(instance):
-                manager.unregister(instance)
-            continue
-        try:
-            declared = members(instance)
-        except Exception as exc:  # a member that raises or returns the wrong type
-            problems.append(f"plugins[{index}] ({name}): {type(exc).__name__}: {exc}")
-            continue
-        hooks, errs = active_hooks(instance, hooks, index, name, declared)
-        if errs:
-            problems += errs
-            continue
-        if not hooks:
-            problems.append(
-                f"plugins[{index}] ({name}): {cls.__name__} implements no hook; mark methods with "
-                "`@trl_credit.hookimpl` (see `trl-credit plugins show`)"
-            )
-        if declared.refill is not None and "filter_rollouts" not in hooks:
-            problems.append(f"plugins[{index}] ({name}): refill() asks for refill, but the plugin has no "
-                            "active filter_rollouts hook; refill replaces the groups a filter drops")
-        instance.trl_credit_key = key  # the owner of the metrics it logs (`RolloutBatch.log_metric`)
-        enabled.append(EnabledPlugin(index, name, key, instance, hooks, info, declared))
+        plugin, errs = enable(cls, options, index, name, key, manager, info)
+        problems += errs
+        if plugin is not None:
+            enabled.append(plugin)
     estimators = [p for p in enabled if "compute_advantages" in p.hooks]
     if len(estimators) > 1:
         listed = ", ".join(f"plugins[{p.index}] ({p.name})" for p in estimators)
@@ -241,6 +211,44 @@ def build_plugins(raw: Any, installed: dict[str, Available] | None = None) -> Pl
     if problems:
         raise ConfigError(problems)
     return PluginSet(enabled, manager)
+
+
+def enable(cls: type, options: dict[str, Any], index: int, name: str, key: str, manager: pluggy.PluginManager,
+           info: Available | None = None, instance: Any = None) -> tuple[EnabledPlugin | None, list[str]]:
+    """Check, build (unless ``instance`` is given) and register one plugin under ``key``; (plugin, problems).
+
+    The checks: no near-miss member names, valid options, hooks in the spec, its declared members,
+    at least one active hook, refill only with a filter.
+    """
+    misses = near_misses(cls)
+    if misses:
+        return None, [f"plugins[{index}] ({name}): {m}" for m in misses]
+    if instance is None:
+        instance, problems = instantiate(cls, options, index, name)
+        if instance is None:
+            return None, problems
+    try:
+        manager.register(instance, name=key)
+        manager.check_pending()
+    except pluggy.PluginValidationError as exc:
+        if manager.is_registered(instance):
+            manager.unregister(instance)
+        return None, [f"plugins[{index}] ({name}): {exc}. Hooks a plugin may implement: {', '.join(hookspecs.HOOKS)} "
+                      "(see `trl-credit plugins show grpo` or docs/hooks.md for their arguments)"]
+    try:
+        declared = members(instance)
+    except Exception as exc:  # a member that raises or returns the wrong type
+        return None, [f"plugins[{index}] ({name}): {type(exc).__name__}: {exc}"]
+    hooks, problems = active_hooks(instance, implemented_hooks(cls), index, name, declared)
+    if problems:
+        return None, problems
+    if not hooks:
+        problems.append(f"plugins[{index}] ({name}): {cls.__name__} implements no hook; mark methods with "
+                        "`@trl_credit.hookimpl` (see `trl-credit plugins show`)")
+    if declared.refill is not None and "filter_rollouts" not in hooks:
+        problems.append(f"plugins[{index}] ({name}): refill() asks for refill, but the plugin has no "
+                        "active filter_rollouts hook; refill replaces the groups a filter drops")
+    return EnabledPlugin(index, name, key, instance, hooks, info, declared), problems
 
 
 def active_hooks(instance: Any, hooks: list[str], index: int = 0, name: str = "?",

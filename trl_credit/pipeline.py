@@ -28,8 +28,6 @@ class Pipeline:
 
     def __init__(self, plugins: PluginSet):
         self.plugins = plugins
-        for p in plugins.plugins:  # the owner of the metrics each logs (`RolloutBatch.log_metric`)
-            p.instance.trl_credit_key = p.key
         self._impls: dict[tuple[str, str], tuple[Any, tuple[str, ...]]] = {}
         if plugins.manager is not None:
             for hook in HOOKS:

@@ -123,10 +123,9 @@ def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], qu
     output = dict(rounds[0][0])
     for key, value in merged.items():
         output[key] = value[local]
-    for key in ("prompt_ids", "prompt_mask"):  # trim shared left padding
-        keep_cols = output["prompt_mask"].any(dim=0)
-        first = int(keep_cols.float().argmax()) if keep_cols.any() else 0
-        output[key] = output[key][:, first:]
+    used = output["prompt_mask"].any(dim=0)  # trim the left padding every local prompt shares
+    first = int(used.float().argmax()) if used.any() else 0
+    output["prompt_ids"], output["prompt_mask"] = output["prompt_ids"][:, first:], output["prompt_mask"][:, first:]
     from trl_credit.trainer import TrainerScorer
 
     combined = RolloutBatch.concat(views, merged["completion_ids"], merged["completion_mask"],

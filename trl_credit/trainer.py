@@ -84,11 +84,11 @@ class CreditGRPOTrainer(GRPOTrainer):
         rounds = []
         kept_groups = extra_tokens = 0
         budget = self.pipeline.max_refill_tokens
-        self._credit_budget_hit = False
+        budget_hit = False
         for round_index in range(self.pipeline.max_refill_rounds + 1):
             if round_index:
                 if budget is not None and extra_tokens >= budget:
-                    self._credit_budget_hit = True
+                    budget_hit = True
                     break
                 inputs = self.refill_stream.next()
             output = super()._generate_and_score_completions(inputs)
@@ -105,7 +105,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                 break
         if len(rounds) > 1:
             output, batch = assemble(self, rounds, quota)
-        return self._finish(output, batch, rounds)
+        return self._finish(output, batch, rounds, extra_tokens, budget_hit)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         beta = inputs.get("trl_credit_beta")
@@ -214,7 +214,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         )
         return batch
 
-    def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list) -> dict[str, Any]:
+    def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list, extra_tokens: int,
+                budget_hit: bool) -> dict[str, Any]:
         advantages = kept_advantages(self.pipeline, batch)
         beta = self.pipeline.kl_coefficient(batch)
         self.pipeline.notify("on_batch_end", batch.step, batch=batch, advantages=advantages)
@@ -242,10 +243,10 @@ class CreditGRPOTrainer(GRPOTrainer):
                 output["ref_per_token_logps"] = ref.to(output["completion_ids"].device)
             output["trl_credit_beta"] = torch.tensor(beta, dtype=torch.float64)  # 0-dim: kept by TRL's split/shuffle
             self._metrics["train"]["trl_credit/beta"].append(beta)
-        self._log_round_metrics(batch, rounds)
+        self._log_round_metrics(batch, rounds, extra_tokens, budget_hit)
         return output
 
-    def _log_round_metrics(self, batch: RolloutBatch, rounds: list) -> None:
+    def _log_round_metrics(self, batch: RolloutBatch, rounds: list, extra_tokens: int, budget_hit: bool) -> None:
         metrics = self._metrics["train"]
         metrics["trl_credit/kept_fraction"].append(batch.kept.float().mean().item())
         if self.pipeline.has("shape_rewards"):  # TRL's `reward` is logged before shaping
@@ -254,10 +255,9 @@ class CreditGRPOTrainer(GRPOTrainer):
                                                        if batch.kept.any() else 0.0)
         if self.pipeline.has("filter_rollouts"):
             metrics["trl_credit/generation_rounds"].append(float(len(rounds)))
-            extra = sum(int(b.completion_mask.sum()) for _, b in rounds[1:])
-            metrics["trl_credit/extra_tokens"].append(float(extra))
+            metrics["trl_credit/extra_tokens"].append(float(extra_tokens))  # completion tokens of rounds 2..
             if self.pipeline.max_refill_tokens is not None:
-                metrics["trl_credit/refill_budget_hit"].append(float(self._credit_budget_hit))
+                metrics["trl_credit/refill_budget_hit"].append(float(budget_hit))
             metrics["trl_credit/skipped_update"].append(float(self._credit_skip_update))
             if self._credit_skip_update:
                 self.accelerator.print(

@@ -146,17 +146,29 @@ def validate(path: str, overrides: list[str] | None = None) -> Loaded:
     dataset (built-in and local: not empty, a prompt column, the columns rewards and plugins read),
     plugins and their ``check_args``, reward columns, the KL reference."""
     cfg = load_config(path, overrides)
-    name = cfg.script_args.dataset_name or "arithmetic"
-    train = None
+    preflight(cfg, offline_only=True)
+    return cfg
+
+
+def preflight(cfg: Loaded, offline_only: bool) -> tuple[Any, Any, list]:
+    """Every check before the model is resolved or loaded; (train set, eval set, reward functions).
+
+    One `ConfigError` lists every problem: the model name, a missing data file, the dataset, the
+    reward functions, then `check_loaded`. ``offline_only`` (`validate`) loads only built-in and local
+    datasets (a hub dataset is not checked); `train` loads any. Warns about bf16 on a CPU without it.
+    """
     problems = model_problems(cfg) + dataset_file_problems(cfg)
-    if not problems and (name.startswith("arithmetic") or os.path.exists(name.split(":")[0])):
-        train, _ = load_datasets(cfg)
+    name = cfg.script_args.dataset_name or "arithmetic"
+    local = name.startswith("arithmetic") or os.path.exists(name.split(":")[0])
+    train_set = eval_set = None
+    if not problems and (local or not offline_only):
+        train_set, eval_set = load_datasets(cfg)
     funcs = reward_functions(cfg)
-    check_loaded(cfg, funcs, train, problems)
+    check_loaded(cfg, funcs, train_set, problems)
     warning = bf16_warning(cfg)
     if warning:
         print(f"trl-credit: warning: {warning}", file=sys.stderr)
-    return cfg
+    return train_set, eval_set, funcs
 
 
 _LOCAL_DATA = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
@@ -260,15 +272,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run a training config end to end; returns the metrics written to ``<output_dir>/metrics.json``."""
     started = time.time()
     cfg = load_config(path, overrides)
-    problems = model_problems(cfg) + dataset_file_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
-    train_set, eval_set = load_datasets(cfg)
-    funcs = reward_functions(cfg)
-    check_loaded(cfg, funcs, train_set)  # before the model is resolved or loaded
-    warning = bf16_warning(cfg)
-    if warning:
-        print(f"trl-credit: warning: {warning}", file=sys.stderr)
+    train_set, eval_set, funcs = preflight(cfg, offline_only=False)  # before the model is resolved or loaded
 
     from trl import get_peft_config, get_quantization_config
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,12 +29,12 @@ from typing import Any, Sequence
 import torch
 
 from trl_credit.batch import PromptStats, RolloutBatch
-from trl_credit.config import ConfigError, EnabledPlugin, PluginSet, active_hooks, instantiate, plugin_name
+from trl_credit.config import ConfigError, PluginSet, enable, plugin_name
 from trl_credit.hookspecs import HOOKS
 from trl_credit.pipeline import Pipeline, kept_advantages
-from trl_credit.plugin import Plugin, RunInfo, members, near_misses
+from trl_credit.plugin import Plugin, RunInfo, near_misses
 from trl_credit.plugins import available, implemented_hooks, new_manager
-from trl_credit.checkpoint import STATE_FILE
+from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.testing.tiny import answer_reward, tiny_dataset, tiny_model, tiny_model_path, train_tiny
 
 __all__ = ["PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
@@ -281,26 +280,16 @@ def plugin_set(plugin: type | str | Any, config: dict[str, Any] | None = None, n
     """
     cls = load_plugin(plugin)
     name = name or (plugin if isinstance(plugin, str) else plugin_name(cls))
-    problems = [f"plugins[0] ({name}): {m}" for m in near_misses(cls)]
-    if problems:
-        raise ConfigError(problems)
-    if isinstance(plugin, (str, type)):
-        instance, problems = instantiate(cls, dict(config or {}), 0, name)
-        if problems:
-            raise ConfigError(problems)
-    else:
+    instance = None
+    if not isinstance(plugin, (str, type)):
         if config:
             raise TypeError("pass options with a plugin class, not with an instance")
         instance = plugin
-    declared = members(instance)
-    hooks, problems = active_hooks(instance, implemented_hooks(cls), 0, name, declared)
+    manager = new_manager()
+    enabled, problems = enable(cls, dict(config or {}), 0, name, name, manager, instance=instance)
     if problems:
         raise ConfigError(problems)
-    manager = new_manager()
-    manager.register(instance, name=name)
-    manager.check_pending()
-    instance.trl_credit_key = name
-    return PluginSet([EnabledPlugin(0, name, name, instance, hooks, None, declared)], manager)
+    return PluginSet([enabled], manager)
 
 
 def run_plugin(plugin: type | str | Any, batch: RolloutBatch | Sequence[RolloutBatch],
@@ -425,21 +414,23 @@ def _check_state_round_trip(cls: type, config: dict[str, Any] | None, batches: S
     state = instance.state_dict()
     if state is None:
         return
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
     try:
-        loaded = torch.load(buffer, weights_only=True)
-    except Exception as exc:
-        raise AssertionError(f"state_dict() is not plain data (tensors, numbers, strings, lists, dicts): "
-                             f"{type(exc).__name__}: {exc}") from exc
+        loaded = _through_a_checkpoint(state)
+    except CheckpointError as exc:
+        raise AssertionError(str(exc)) from None
     fresh = plugin_set(cls, config).plugins[0].instance
     fresh.load_state_dict(loaded)
-    again = io.BytesIO()
-    torch.save(fresh.state_dict(), again)
-    again.seek(0)
-    reloaded = torch.load(again, weights_only=True)
+    reloaded = _through_a_checkpoint(fresh.state_dict())
     assert _same(state, reloaded), "state_dict() after load_state_dict(state_dict()) differs from the saved state"
+
+
+def _through_a_checkpoint(state: Any) -> Any:
+    """``state`` written and read back exactly as the host checkpoints a plugin's state."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_state(folder, {"plugin": state}, {}, 0)
+        return read_state(folder, ["plugin"])["plugins"]["plugin"]
 
 
 def _same(a: Any, b: Any) -> bool:
