@@ -1,40 +1,39 @@
-"""Does a plugin change what GRPO learns?  Baseline GRPO vs each installed plugin, same budget, several seeds.
+"""Does a plugin help GRPO learn?  Each plugin against its matching baseline, held-out curves, several seeds.
 
-Every run is a real ``trl-credit train`` run (a generated YAML config, `trl_credit.app.train_command.train`): LoRA on
-the embedded SmolLM2-135M-Instruct, the built-in ``arithmetic`` dataset at a difficulty where the
-base model is right 10-40% of the time (two-number addition with operands 1..50: 0.26 greedy on the
-100 held-out prompts used here; 1..20 gave 0.34 and 1..100 0.10 on 50 prompts), the same
-steps, the same prompts and completions per step, the same completion length and the same seeds
-for every run. Held-out accuracy is greedy, on the same 100 held-out prompts for every run, computed
-with `trl_credit.app.eval_command.run_eval` (what ``trl-credit eval`` runs): once for the base model
-("before", one number: greedy decoding of the same model) and once per trained adapter ("after").
+The setting is one where plain GRPO visibly learns: LoRA r16 on the embedded SmolLM2-135M-Instruct,
+two-number addition with operands 1..20 (the built-in ``arithmetic`` dataset), lr 2e-4, beta 0, 4
+prompts x 8 completions per step, at most 24 tokens, temperature 1, 30 steps. Held-out greedy
+accuracy on 100 prompts that never occur in training is measured every 5 steps (``heldout_every``
+of ``trl-credit train``), so every run is a curve; step 0 is the base model (LoRA starts as the
+identity, so one evaluation serves every run of a prompt style).
 
-    python benchmarks/learning.py --out runs/learning --jobs 2          # everything (hours: see docs/results.md)
-    python benchmarks/learning.py --out runs/learning --report-only     # the table from the runs finished so far
-    python benchmarks/learning.py --out runs/learning --plugins gdpo,gtpo --seeds 0,1,2 --steps 30
-    python benchmarks/learning.py --out runs/learning --list            # the plan and what does not apply
-    python benchmarks/learning.py --quick --out /tmp/learning-quick     # tiny model, 2 steps, 1 seed (CI)
+Every run is a real ``trl-credit train`` run (a generated YAML config). Comparisons:
 
-Resumable: a run whose ``result.json`` exists with the same settings is skipped; a run without one is
-redone from scratch. Outputs under ``--out``: ``runs/<label>/seed<k>/`` (the train output dir:
-adapter, metrics.json, trl_credit_config.yaml, reward_curve.png, eval_test.json, result.json),
-``base_eval.json``, ``results.json`` (every figure), ``results.md`` (the table) and
-``reward_curves.png``. Without ``--quick`` the table and the figure also go into ``docs/results.md``
-between the ``learning-results`` markers (``--docs ''`` to skip).
+* **equal optimiser steps**: final accuracy, area under the accuracy curve (AUC: the curve's mean
+  over the steps, trapezoid rule), the step at which the baseline's final accuracy is first reached;
+* **equal generated tokens** (x axis: tokens generated, refill rounds included): filters run with
+  their refill on, as their papers do, so they generate more per step; their accuracy is also read
+  at the baseline's total tokens (the last evaluation within that budget) and the tokens they need
+  to reach the baseline's final accuracy are reported.
 
-Presets (``PRESETS``): options that keep the budget equal (no refill for filters: a refill generates
-extra completions) and the reward columns a plugin needs. Multi-reward estimators and
-process-score shapers get a second, deterministic reward column, the built-in ``arithmetic_steps``
-(**a stand-in** for a process reward model: the mean score of the completion's lines under a
-rule-based checker of integer equations, so "17 + 8 = 25" scores 1, "17 + 8 = 24" and a bare "25"
-score 0); they are compared with a baseline that has the same two reward columns (``grpo+steps``),
-not with the accuracy-only one. Plugins without a preset run with their defaults; a plugin whose
-preset or defaults fail ``trl-credit validate`` (a dataset column arithmetic lacks, an option it
-requires) is listed with the reason instead of being run.
+Differences are paired by seed (same LoRA initialisation, same prompt order) with a 95% t-interval.
+Process-score shapers and estimators get a prompt that asks for the working
+(``arithmetic:prompt=working``: "Write the working as one equation, then the answer.") and the
+built-in step checker (``arithmetic_steps`` reward column, ``arithmetic`` step scorer): **a stand-in**
+for a process reward model that fits the prompt; their baseline is GRPO on the same prompt and
+reward columns.
 
-Honest reporting: the table shows mean ± sample standard deviation over seeds, min-max, and the
-difference to the baseline paired by seed; with 3 seeds and 10 steps differences of a few points may
-be noise. No claims are made by this script.
+    python benchmarks/learning.py --jobs 2                  # the grid, resumable (hours: see docs/results.md)
+    python benchmarks/learning.py --report-only             # tables and figures from the runs finished so far
+    python benchmarks/learning.py --plugins gdpo,gtpo --seeds 0,1,2,3,4
+    python benchmarks/learning.py --combo dynamic_sampling,gdpo   # plugins enabled together
+    python benchmarks/learning.py --list                    # the plan and what does not apply
+    python benchmarks/learning.py --quick --out /tmp/q      # tiny model, 2 steps, 1 seed (CI smoke run)
+
+Resumable across machines: a finished run's result (curve, tokens, timings, mechanism metrics) is a
+small JSON file under ``--out`` (default ``benchmarks/results/learning``, committed); a run whose
+result exists with the same settings is skipped; a run without one is redone from scratch. Adapters
+and train logs go under ``--work`` (default ``runs/learning``, not committed).
 """
 
 from __future__ import annotations
@@ -62,25 +61,40 @@ ACC = "arithmetic_accuracy"
 PROCESS = "arithmetic_steps"  # the process-score stand-in (trl_credit.app.rewards.arithmetic_steps)
 BEGIN, END = "<!-- learning-results:begin -->", "<!-- learning-results:end -->"
 QUICK_PREFERENCE = ("dynamic_sampling", "balanced_aggregation", "gtpo", "gdpo", "riskpo", "drpo", "corrgrpo")
+INFORMATIVE = "informative_groups"  # 1 - TRL's frac_reward_zero_std: groups whose rewards differ
+LAST = ("reward_noise",)  # robustness fixtures: run after the methods
 
-# name -> {"options": plugin options, "rewards": reward columns, "trainer": `trl grpo` keys it needs (its
-# baseline gets them too), "note": shown in the table, "skip": reason}
+# name -> {"options": plugin options, "rewards": reward columns, "trainer": `trl grpo` keys it needs (its baseline
+# gets them too), "prompt": arithmetic prompt style, "mechanism": the logged metric that shows it acting,
+# "note": shown in the table, "skip": reason}
 PRESETS: dict[str, dict[str, Any]] = {
-    "dynamic_sampling": {"options": {"mode": "filter"}, "note": "no refill (equal generated tokens)"},
-    "accuracy_band": {"options": {"refill": False}, "note": "refill off (equal generated tokens)"},
-    "gdpo": {"rewards": [ACC, PROCESS], "note": "two reward columns (with one, GDPO is GRPO)"},
-    "corrgrpo": {"rewards": [ACC, PROCESS], "note": "two reward columns (with one, it is Dr.GRPO)"},
+    "dynamic_sampling": {"mechanism": "trl_credit/kept_fraction",
+                         "note": "refill on (mode replace, as in DAPO): more tokens per step"},
+    "accuracy_band": {"mechanism": "trl_credit/kept_fraction", "note": "refill on (as in PRIME): more tokens per step"},
+    "half_pass_selection": {"mechanism": INFORMATIVE, "note": "a prompt curriculum"},
+    "gdpo": {"rewards": [ACC, PROCESS], "prompt": "working", "mechanism": "trl_credit/gdpo/gdpo_applied",
+             "note": "two reward columns (with one, GDPO is GRPO)"},
+    "corrgrpo": {"rewards": [ACC, PROCESS], "prompt": "working", "mechanism": "trl_credit/corrgrpo/active_fraction",
+                 "note": "two reward columns (with one, it is Dr.GRPO)"},
     "p_grpo": {"options": {"outcome_reward": ACC, "process_reward": PROCESS}, "rewards": [ACC, PROCESS],
-               "note": "process score = stand-in column"},
+               "prompt": "working", "mechanism": "trl_credit/p_grpo/gate_rate", "note": "process score = step checker"},
     "trust_grpo": {"options": {"answer_reward": ACC, "thinking_reward": PROCESS}, "rewards": [ACC, PROCESS],
-                   "note": "thinking score = stand-in column"},
-    "drpo": {"trainer": {"loss_type": "grpo"}, "note": "its advantages equal the DRPO gradient only with "
-             "loss_type grpo (it refuses TRL's default dapo); compared with GRPO under the same loss"},
-    "riskpo": {"options": {"bundle_size": 2}, "note": "K = 2 prompt groups per bundle (paper 5): a step has 2"},
-    "gtpo": {"trainer": {"loss_type": "grpo"}, "note": "the GTPO objective is a per-completion token mean "
-             "(loss_type grpo; it refuses TRL's default dapo); compared with GRPO under the same loss"},
+                   "prompt": "working", "mechanism": "trl_credit/trust_grpo/active_groups",
+                   "note": "thinking score = step checker"},
+    "prm_clip_delta": {"prompt": "working", "mechanism": "trl_credit/prm_clip_delta/process_return",
+                       "note": "step scores from the built-in `arithmetic` step checker"},
+    "g_ra": {"prompt": "working", "mechanism": "trl_credit/g_ra/gate_open",
+             "note": "step scores from the built-in `arithmetic` step checker"},
+    "drpo": {"trainer": {"loss_type": "grpo"}, "mechanism": "trl_credit/drpo/valid_groups",
+             "note": "needs loss_type grpo (refuses TRL's default dapo); baseline under the same loss"},
+    "riskpo": {"options": {"bundle_size": 2}, "note": "K = 2 prompt groups per bundle: a step has 2 bundles"},
+    "gtpo": {"trainer": {"loss_type": "grpo"}, "note": "a per-completion token mean (loss_type grpo; refuses "
+             "TRL's default dapo); baseline under the same loss"},
+    "grpo_lambda": {"mechanism": "trl_credit/grpo_lambda/selected_fraction"},
+    "balanced_aggregation": {"mechanism": "trl_credit/balanced_aggregation/active_fraction"},
     "e_grpo": {"skip": "needs a gold entity-list dataset column ('entities'); arithmetic has one number per answer"},
-    "reward_noise": {"note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
+    "reward_noise": {"mechanism": "trl_credit/reward_noise/flipped_fraction",
+                     "note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
 }  # fmt: skip
 
 
@@ -90,18 +104,18 @@ class Settings:
     """Everything that must be equal across runs (part of every run's fingerprint)."""
 
     model: str = "smollm2-135m-instruct"
-    dataset: str = "arithmetic:max_value=50,seed=0,eval_n=100"  # seed fixed: same prompts for every run seed
-    steps: int = 10
-    per_device_train_batch_size: int = 16  # 2 prompts x 8 completions per step (the quickstart's batch)
+    dataset: str = "arithmetic:max_value=20,seed=0,eval_n=100"  # seed fixed: same prompts for every run seed
+    steps: int = 30
+    per_device_train_batch_size: int = 32  # 4 prompts x 8 completions per step
     num_generations: int = 8
-    max_completion_length: int = 16
-    heldout_max_new_tokens: int = 16
+    max_completion_length: int = 24
+    heldout_max_new_tokens: int = 24
+    heldout_every: int = 5
     learning_rate: float = 2.0e-4
     lora_r: int = 16
     lora_alpha: int = 32
-    lora_dropout: float = 0.0  # PEFT's 0.05 costs ~13% of a CPU step here (profiled) and is noise at 10 steps
+    lora_dropout: float = 0.0  # PEFT's 0.05 costs ~13% of a CPU step here (profiled)
     temperature: float = 1.0
-    samples_per_prompt: int = 0  # > 0: also sampled pass@k after training
     extra: dict[str, Any] = field(default_factory=dict)  # more `trl grpo` keys
 
 
@@ -110,25 +124,38 @@ def quick_settings() -> Settings:
 
     return Settings(model=tiny_model_path(), dataset="arithmetic:n=64,seed=0,eval_n=8", steps=2,
                     per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-                    heldout_max_new_tokens=8, learning_rate=1e-3, lora_r=4, lora_alpha=8)  # fmt: skip
+                    heldout_max_new_tokens=8, heldout_every=1, learning_rate=1e-3, lora_r=4, lora_alpha=8)  # fmt: skip
 
 
 @dataclass
 class Variant:
-    """One line of the table: a label, its plugin entry (None for a baseline) and reward columns."""
+    """One line of the table: a label, its plugin entries (none for a baseline), reward columns, prompt style."""
 
     label: str
-    plugin: str | None
-    options: dict[str, Any]
+    plugins: list[dict[str, Any]]  # [{"name": ..., **options}]
     rewards: list[str]
     note: str = ""
     trainer: dict[str, Any] = field(default_factory=dict)  # `trl grpo` keys (shared with its baseline)
+    prompt: str = "answer"
+    mechanism: str | None = None
+
+    @property
+    def is_baseline(self) -> bool:
+        return not self.plugins
 
     @property
     def baseline(self) -> str:
-        label = "grpo" if self.rewards == [ACC] else "grpo+" + "+".join(r.removeprefix("arithmetic_") for r in
-                                                                         self.rewards[1:])  # fmt: skip
+        label = "grpo" + "".join("+" + r.removeprefix("arithmetic_") for r in self.rewards[1:])
+        label += "" if self.prompt == "answer" else f"@{self.prompt}"
         return label + "".join(f"@{key}={value}" for key, value in sorted(self.trainer.items()))
+
+    def baseline_variant(self) -> Variant:
+        return Variant(self.baseline, [], list(self.rewards), "baseline", dict(self.trainer), self.prompt,
+                       INFORMATIVE)  # fmt: skip
+
+
+def dataset_spec(settings: Settings, prompt: str) -> str:
+    return settings.dataset if prompt == "answer" else f"{settings.dataset},prompt={prompt}"
 
 
 def run_config(settings: Settings, variant: Variant, seed: int, output_dir: str) -> dict[str, Any]:
@@ -138,34 +165,57 @@ def run_config(settings: Settings, variant: Variant, seed: int, output_dir: str)
     config: dict[str, Any] = {
         "model_name_or_path": settings.model, "dtype": "float32", "bf16": False,
         "use_peft": True, "lora_r": settings.lora_r, "lora_alpha": settings.lora_alpha,
-        "lora_dropout": settings.lora_dropout,
-        "lora_target_modules": "all-linear",
-        "dataset_name": settings.dataset, "reward_funcs": list(variant.rewards),
+        "lora_dropout": settings.lora_dropout, "lora_target_modules": "all-linear",
+        "dataset_name": dataset_spec(settings, variant.prompt), "reward_funcs": list(variant.rewards),
         "output_dir": output_dir, "max_steps": settings.steps, "learning_rate": settings.learning_rate, "beta": 0.0,
         "per_device_train_batch_size": settings.per_device_train_batch_size,
         "num_generations": settings.num_generations, "max_completion_length": settings.max_completion_length,
         "temperature": settings.temperature, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "use_cpu": not torch.cuda.is_available(), "gradient_checkpointing": False, "seed": seed,
-        "heldout_samples": 0, "heldout_max_new_tokens": settings.heldout_max_new_tokens, **settings.extra,
-        **variant.trainer,
+        "heldout_samples": _eval_n(settings), "heldout_max_new_tokens": settings.heldout_max_new_tokens,
+        "heldout_every": settings.heldout_every, "heldout_before": False, **settings.extra, **variant.trainer,
     }  # fmt: skip
-    if variant.plugin is not None:
-        config["plugins"] = [{"name": variant.plugin, **variant.options}]
+    if variant.plugins:
+        config["plugins"] = [dict(entry) for entry in variant.plugins]
     return config
 
 
+def _eval_n(settings: Settings) -> int:
+    from trl_credit.app.data import parse_arithmetic_spec
+
+    return int(parse_arithmetic_spec(settings.dataset.partition(":")[2]).get("eval_n", 100))
+
+
 def fingerprint(settings: Settings, variant: Variant, seed: int) -> str:
-    described = asdict(variant)
-    if not described["trainer"]:  # runs made before the field existed keep their fingerprint
-        del described["trainer"]
+    described = {k: v for k, v in asdict(variant).items() if k not in ("note", "mechanism")}
     text = json.dumps({"settings": asdict(settings), "variant": described, "seed": seed}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ====================================================================== the plan
-def plan(
-    settings: Settings, selected: list[str] | None, out: Path, quick: bool
-) -> tuple[list[Variant], dict[str, str]]:
+def preset_variant(name: str) -> Variant:
+    preset = PRESETS.get(name, {})
+    return Variant(name, [{"name": name, **preset.get("options", {})}], list(preset.get("rewards", [ACC])),
+                   preset.get("note", ""), dict(preset.get("trainer", {})), preset.get("prompt", "answer"),
+                   preset.get("mechanism"))  # fmt: skip
+
+
+def combo_variant(names: list[str]) -> Variant:
+    """The plugins enabled together, each with its preset; reward columns, trainer keys and prompt merged."""
+    parts = [preset_variant(name) for name in names]
+    rewards = list(dict.fromkeys(r for part in parts for r in part.rewards))
+    trainer: dict[str, Any] = {}
+    for part in parts:
+        trainer.update(part.trainer)
+    prompts = {part.prompt for part in parts}
+    prompt = "working" if "working" in prompts else "answer"
+    entries = [entry for part in parts for entry in part.plugins]
+    return Variant("combo:" + "+".join(names), entries, rewards, "plugins enabled together, each with its preset",
+                   trainer, prompt, "trl_credit/kept_fraction")  # fmt: skip
+
+
+def plan(settings: Settings, selected: list[str] | None, combos: list[list[str]], work: Path,
+         quick: bool) -> tuple[list[Variant], dict[str, str]]:
     """Variants to run (baselines first) and ``{plugin: reason}`` for the ones that do not apply."""
     from trl_credit.plugins import available
 
@@ -177,20 +227,16 @@ def plan(
                 skipped[name] = "not installed (pip install trl-credit-" + name.replace("_", "-") + ")"
         candidates = [n for n in selected if n in installed]
     else:
-        candidates = installed
-        if quick:  # the two best-known plugins that apply
-            order = {n: i for i, n in enumerate(QUICK_PREFERENCE)}
-            candidates = sorted(installed, key=lambda n: (order.get(n, len(order)), n))
+        order = {n: i for i, n in enumerate(QUICK_PREFERENCE if quick else ())}
+        candidates = sorted(installed, key=lambda n: (n in LAST, order.get(n, len(order)), n))
     variants: list[Variant] = []
-    check_dir = out / "validate"
+    check_dir = work / "validate"
     check_dir.mkdir(parents=True, exist_ok=True)
     for name in candidates:
-        preset = PRESETS.get(name, {})
-        if "skip" in preset:
-            skipped[name] = preset["skip"]
+        if "skip" in PRESETS.get(name, {}):
+            skipped[name] = PRESETS[name]["skip"]
             continue
-        variant = Variant(name, name, dict(preset.get("options", {})), list(preset.get("rewards", [ACC])),
-                          preset.get("note", ""), dict(preset.get("trainer", {})))  # fmt: skip
+        variant = preset_variant(name)
         reason = _validate(settings, variant, check_dir)
         if reason:
             skipped[name] = reason
@@ -198,11 +244,18 @@ def plan(
         variants.append(variant)
         if quick and selected is None and len(variants) == 2:
             break
-    baselines = {"grpo": Variant("grpo", None, {}, [ACC], "baseline")}
+    for names in combos:
+        missing = [n for n in names if n not in installed]
+        variant = combo_variant(names)
+        reason = f"not installed: {', '.join(missing)}" if missing else _validate(settings, variant, check_dir)
+        if reason:
+            skipped[variant.label] = reason
+        else:
+            variants.append(variant)
+    baselines = {"grpo": Variant("grpo", [], [ACC], "baseline", mechanism=INFORMATIVE)}
     for variant in variants:
-        baselines.setdefault(variant.baseline, Variant(variant.baseline, None, {}, variant.rewards, "baseline",
-                                                       dict(variant.trainer)))  # fmt: skip
-    lines = [baselines[label] for label in sorted(baselines)]
+        baselines.setdefault(variant.baseline, variant.baseline_variant())
+    lines = [baselines["grpo"]] + [baselines[label] for label in sorted(baselines) if label != "grpo"]
     return lines + variants, skipped
 
 
@@ -210,10 +263,10 @@ def _validate(settings: Settings, variant: Variant, folder: Path) -> str | None:
     """None when ``trl-credit validate`` accepts the variant's config, else the first problem."""
     import yaml
 
-    from trl_credit.config import ConfigError
     from trl_credit.app.train_command import validate
+    from trl_credit.config import ConfigError
 
-    path = folder / f"{variant.label}.yaml"
+    path = folder / f"{variant.label.replace(':', '_')}.yaml"
     path.write_text(yaml.safe_dump(run_config(settings, variant, 0, str(folder / "unused")), sort_keys=False))
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -226,18 +279,18 @@ def _validate(settings: Settings, variant: Variant, folder: Path) -> str | None:
 
 
 # ====================================================================== one run
-def run_one(settings: Settings, variant: Variant, seed: int, out: Path, log) -> dict[str, Any]:
-    """Train and evaluate one (variant, seed) from scratch (`run_all` skips the finished ones first)."""
+def result_path(out: Path, label: str, seed: int) -> Path:
+    return out / "runs" / label.replace(":", "_") / f"seed{seed}.json"
+
+
+def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Path, base: dict[str, float],
+            log) -> dict[str, Any]:
+    """Train one (variant, seed) from scratch and store its result (`run_all` skips the finished ones first)."""
     import yaml
 
-    from trl_credit.app.eval_command import run_eval
     from trl_credit.app.train_command import train
 
-    folder = out / "runs" / variant.label / f"seed{seed}"
-    result_path = folder / "result.json"
-    stamp = fingerprint(settings, variant, seed)
-    if result_path.exists():  # not `finished`: made with other settings
-        log(f"  {variant.label} seed {seed}: settings changed, redoing")
+    folder = work / "runs" / variant.label.replace(":", "_") / f"seed{seed}"
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
@@ -246,36 +299,40 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, log) -> 
     log(f"  {variant.label} seed {seed}: training {settings.steps} steps")
     clock = time.time()
     metrics = train(str(config_path))
-    history = metrics["log_history"]
-    evaluation = run_eval(str(folder), n=settings.samples_per_prompt, ks=_ks(settings.samples_per_prompt),
-                          json_path=str(folder / "eval_test.json"))  # fmt: skip
-    steps = [h for h in history if "loss" in h and "step" in h]
+    steps = [h for h in metrics["log_history"] if "loss" in h and "step" in h]
     completions = settings.per_device_train_batch_size
-    generated = sum(h.get("completions/mean_length", 0.0) * completions + h.get("trl_credit/extra_tokens", 0.0)
-                    for h in steps)  # fmt: skip
+    tokens = [h.get("completions/mean_length", 0.0) * completions + h.get("trl_credit/extra_tokens", 0.0)
+              for h in steps]  # fmt: skip
+    logged = sorted({k for h in steps for k in h if k.startswith("trl_credit/") or k == "frac_reward_zero_std"})
+    mechanisms = {k: statistics.fmean([h[k] for h in steps if h.get(k) is not None]) for k in logged
+                  if any(h.get(k) is not None for h in steps)}  # fmt: skip
+    if "frac_reward_zero_std" in mechanisms:
+        mechanisms[INFORMATIVE] = 1.0 - mechanisms["frac_reward_zero_std"]
+    train_seconds = metrics["train_seconds"] - metrics.get("heldout_curve_seconds", 0.0)
     result = {
-        "label": variant.label, "plugin": variant.plugin, "options": variant.options, "rewards": variant.rewards,
-        "baseline": variant.baseline, "seed": seed, "fingerprint": stamp,
-        "heldout_after": evaluation["greedy_accuracy"],
-        "pass_at_k_after": evaluation.get("pass_at_k"),
+        "label": variant.label, "plugins": variant.plugins, "rewards": variant.rewards, "prompt": variant.prompt,
+        "baseline": None if variant.is_baseline else variant.baseline, "seed": seed,
+        "fingerprint": fingerprint(settings, variant, seed),
+        "curve": [[0, base[variant.prompt]], *metrics["heldout_curve"]],
+        "tokens_per_step": [round(t, 1) for t in tokens],
         "steps": len(steps), "completions_per_step": completions,
-        "generated_tokens": round(generated, 1),
-        "token_budget": settings.steps * completions * settings.max_completion_length,
-        "train_seconds": metrics["train_seconds"], "seconds_per_step": metrics["seconds_per_step"],
-        "wall_seconds": round(time.time() - clock, 1),
-        "verifier_curve": [[h["step"], h.get(f"rewards/{ACC}/mean")] for h in steps],
-        "reward_curve": [[h["step"], h.get("reward")] for h in steps],
-        "kept_fraction": [h.get("trl_credit/kept_fraction") for h in steps],
+        "generated_tokens": round(sum(tokens), 1),
+        "seconds_per_step": round(train_seconds / max(len(steps), 1), 2),
+        "eval_seconds": metrics.get("heldout_curve_seconds"), "wall_seconds": round(time.time() - clock, 1),
+        "train_reward": [[h["step"], h.get(f"rewards/{ACC}/mean")] for h in steps],
+        "mechanisms": mechanisms,
     }  # fmt: skip
-    result_path.write_text(json.dumps(result, indent=2) + "\n")
-    log(f"  {variant.label} seed {seed}: held-out after {result['heldout_after']:.3f} "
+    path = result_path(out, variant.label, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    log(f"  {variant.label} seed {seed}: held-out {result['curve'][-1][1]:.3f} at step {result['curve'][-1][0]} "
         f"({result['wall_seconds']} s)")  # fmt: skip
     return result
 
 
 def finished(settings: Settings, variant: Variant, seed: int, out: Path) -> dict[str, Any] | None:
     """The stored result of (variant, seed) when it was made with these settings, else None."""
-    path = out / "runs" / variant.label / f"seed{seed}" / "result.json"
+    path = result_path(out, variant.label, seed)
     if not path.exists():
         return None
     done = json.loads(path.read_text())
@@ -286,15 +343,16 @@ def _log(message: str) -> None:
     print(f"[learning {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def _run_in_worker(settings: Settings, variant: Variant, seed: int, out: Path, threads: int) -> dict[str, Any]:
+def _run_in_worker(settings: Settings, variant: Variant, seed: int, out: Path, work: Path, base: dict[str, float],
+                   threads: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    return run_one(settings, variant, seed, out, _log)
+    return run_one(settings, variant, seed, out, work, base, _log)
 
 
-def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, jobs: int, threads: int,
-            log) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
+def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, work: Path, base: dict[str, float],
+            jobs: int, threads: int, log) -> tuple[list[dict[str, Any] | None], dict[str, str]]:
     """Every (variant, seed) in ``tasks``, in order; ``jobs`` > 1: that many worker processes, each with
     ``threads`` torch threads and a fresh process per run (on 2 cores two 1-thread runs side by side do
     ~1.9x the work of one 2-thread run: the small matmuls of a 135M model do not use a second thread).
@@ -302,10 +360,8 @@ def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, job
     A run that raises is logged and reported, not fatal: ``(results with None for it, {"label/seedK": error})``.
     """
     results: list[dict[str, Any] | None] = [finished(settings, variant, seed, out) for variant, seed in tasks]
-    for (variant, seed), done in zip(tasks, results):
-        if done is not None:
-            log(f"  {variant.label} seed {seed}: done already ({out / 'runs' / variant.label / f'seed{seed}'})")
     todo = [i for i, done in enumerate(results) if done is None]
+    log(f"{len(tasks) - len(todo)} of {len(tasks)} runs done already; {len(todo)} to run")
     failures: dict[str, str] = {}
 
     def record(i: int, exc: BaseException) -> None:
@@ -317,7 +373,7 @@ def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, job
     if jobs <= 1:
         for i in todo:
             try:
-                results[i] = run_one(settings, *tasks[i], out, log)
+                results[i] = run_one(settings, *tasks[i], out, work, base, log)
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 record(i, exc)
         return results, failures
@@ -326,7 +382,7 @@ def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, job
 
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {i: pool.submit(_run_in_worker, settings, *tasks[i], out, threads) for i in todo}
+        futures = {i: pool.submit(_run_in_worker, settings, *tasks[i], out, work, base, threads) for i in todo}
         for i, future in futures.items():
             try:
                 results[i] = future.result()
@@ -335,160 +391,292 @@ def run_all(settings: Settings, tasks: list[tuple[Variant, int]], out: Path, job
     return results, failures
 
 
-def _ks(n: int) -> list[int]:
-    return sorted({1, n}) if n else [1]
-
-
-def base_accuracy(settings: Settings, out: Path, log) -> dict[str, Any]:
-    """Greedy held-out accuracy of the base model (one number: every run starts from it)."""
+def base_accuracy(settings: Settings, prompt: str, out: Path, work: Path, log) -> dict[str, Any]:
+    """Greedy held-out accuracy of the base model (step 0 of every curve with this prompt style)."""
     import yaml
 
     from trl_credit.app.eval_command import run_eval
 
-    path = out / "base_eval.json"
-    variant = Variant("grpo", None, {}, [ACC])
-    stamp = hashlib.sha256(json.dumps([settings.model, settings.dataset, settings.heldout_max_new_tokens,
-                                       settings.samples_per_prompt]).encode()).hexdigest()[:16]  # fmt: skip
+    path = out / f"base_{prompt}.json"
+    stamp = hashlib.sha256(json.dumps([settings.model, dataset_spec(settings, prompt),
+                                       settings.heldout_max_new_tokens]).encode()).hexdigest()[:16]  # fmt: skip
     if path.exists():
         done = json.loads(path.read_text())
         if done.get("fingerprint") == stamp:
             return done
-    config = out / "base.yaml"
-    config.write_text(yaml.safe_dump(run_config(settings, variant, 0, str(out / "base")), sort_keys=False))
-    log("base model: held-out accuracy")
-    evaluation = run_eval(str(config), n=settings.samples_per_prompt, ks=_ks(settings.samples_per_prompt),
-                          json_path=str(out / "base_eval_full.json"))  # fmt: skip
-    done = {"fingerprint": stamp, "heldout": evaluation["greedy_accuracy"], "pass_at_k": evaluation.get("pass_at_k"),
+    config = work / f"base_{prompt}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    variant = Variant("grpo", [], [ACC], prompt=prompt)
+    config.write_text(yaml.safe_dump(run_config(settings, variant, 0, str(work / "base")), sort_keys=False))
+    log(f"base model, prompt {prompt}: held-out accuracy")
+    evaluation = run_eval(str(config), n=0, ks=[1], json_path=str(work / f"base_{prompt}_eval.json"))
+    done = {"fingerprint": stamp, "prompt": prompt, "heldout": evaluation["greedy_accuracy"],
             "num_prompts": evaluation["num_prompts"], "seconds": evaluation["seconds"]["total"]}  # fmt: skip
-    path.write_text(json.dumps(done, indent=2) + "\n")
-    log(f"base model: held-out accuracy {done['heldout']:.3f} on {done['num_prompts']} prompts")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(done, indent=1) + "\n")
+    log(f"base model, prompt {prompt}: held-out accuracy {done['heldout']:.3f} on {done['num_prompts']} prompts")
     return done
 
 
-# ====================================================================== summary
-def _stats(values: list[float]) -> dict[str, Any]:
+# ====================================================================== statistics
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # Student t, 0.975 quantile, by degrees of freedom
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (the nearest tabulated df below)."""
+    return T975[max(k for k in T975 if k <= df)] if df >= 1 else math.nan
+
+
+def stats(values: list[float | None]) -> dict[str, Any]:
+    """Mean, sample std, min, max, n and the half-width of the 95% t-interval of the mean."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values), "n": len(values)}  # fmt: skip
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "ci95": None}
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    ci = t975(len(values) - 1) * std / math.sqrt(len(values)) if len(values) > 1 else None
+    return {"mean": statistics.fmean(values), "std": std, "min": min(values), "max": max(values), "n": len(values),
+            "ci95": ci}  # fmt: skip
 
 
-def summarise(variants: list[Variant], results: dict[str, list[dict]], base: dict[str, Any]) -> dict[str, Any]:
-    rows = {}
+def auc(curve: list[list[float]]) -> float:
+    """Mean accuracy over the run: the trapezoid area under the curve divided by its step span."""
+    xs, ys = [c[0] for c in curve], [c[1] for c in curve]
+    if len(xs) < 2 or xs[-1] == xs[0]:
+        return ys[-1]
+    return sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / (xs[-1] - xs[0])
+
+
+def cumulative_tokens(run: dict[str, Any]) -> dict[int, float]:
+    """Tokens generated up to and including each step (step 0: none)."""
+    total, out = 0.0, {0: 0.0}
+    for step, tokens in enumerate(run["tokens_per_step"], start=1):
+        total += tokens
+        out[step] = total
+    return out
+
+
+def first_reach(run: dict[str, Any], target: float) -> tuple[int | None, float | None]:
+    """(step, tokens) of the first evaluation at or above ``target``, or (None, None)."""
+    tokens = cumulative_tokens(run)
+    for step, value in run["curve"]:
+        if value >= target - 1e-9:
+            return int(step), tokens.get(int(step))
+    return None, None
+
+
+def at_tokens(run: dict[str, Any], budget: float) -> float:
+    """Held-out accuracy at the last evaluation whose cumulative generated tokens are within ``budget``."""
+    tokens = cumulative_tokens(run)
+    within = [value for step, value in run["curve"] if tokens.get(int(step), math.inf) <= budget + 1e-6]
+    return within[-1] if within else run["curve"][0][1]
+
+
+def summarise(variants: list[Variant], results: dict[str, list[dict]]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
     for variant in variants:
         runs = results.get(variant.label, [])
-        after = _stats([r["heldout_after"] for r in runs])
-        row = {"label": variant.label, "plugin": variant.plugin, "options": variant.options, "trainer": variant.trainer,
-               "rewards": variant.rewards, "baseline": None if variant.plugin is None else variant.baseline,
-               "note": variant.note, "seeds": [r["seed"] for r in runs], "heldout_before": base["heldout"],
-               "heldout_after": after,
-               "train_verifier_last5": _stats([_tail_mean(r["verifier_curve"]) for r in runs]),
-               "generated_tokens": _stats([r["generated_tokens"] for r in runs]),
-               "seconds_per_step": _stats([r["seconds_per_step"] for r in runs])}  # fmt: skip
-        if variant.plugin is not None:
-            reference = {r["seed"]: r["heldout_after"] for r in results.get(variant.baseline, [])}
-            paired = [r["heldout_after"] - reference[r["seed"]] for r in runs if r["seed"] in reference]
-            row["delta_vs_baseline"] = _stats(paired)
+        row: dict[str, Any] = {
+            "label": variant.label, "plugins": variant.plugins, "trainer": variant.trainer,
+            "rewards": variant.rewards, "prompt": variant.prompt, "note": variant.note,
+            "baseline": None if variant.is_baseline else variant.baseline, "seeds": [r["seed"] for r in runs],
+            "before": runs[0]["curve"][0][1] if runs else None,
+            "final": stats([r["curve"][-1][1] for r in runs]), "auc": stats([auc(r["curve"]) for r in runs]),
+            "gain": stats([r["curve"][-1][1] - r["curve"][0][1] for r in runs]),
+            "generated_tokens": stats([r["generated_tokens"] for r in runs]),
+            "seconds_per_step": stats([r["seconds_per_step"] for r in runs]),
+            "mechanism": variant.mechanism or _first_own_metric(variant, runs),
+        }  # fmt: skip
+        row["mechanism_value"] = stats([r["mechanisms"].get(row["mechanism"]) for r in runs])
+        row[INFORMATIVE] = stats([r["mechanisms"].get(INFORMATIVE) for r in runs])
         rows[variant.label] = row
+    for variant in variants:
+        if variant.is_baseline or variant.baseline not in rows:
+            continue
+        row, base_row = rows[variant.label], rows[variant.baseline]
+        mine = {r["seed"]: r for r in results.get(variant.label, [])}
+        theirs = {r["seed"]: r for r in results.get(variant.baseline, [])}
+        seeds = sorted(set(mine) & set(theirs))
+        target, budget = base_row["final"]["mean"], base_row["generated_tokens"]["mean"]
+        row["paired_seeds"] = seeds
+        row["delta_final"] = stats([mine[s]["curve"][-1][1] - theirs[s]["curve"][-1][1] for s in seeds])
+        row["delta_auc"] = stats([auc(mine[s]["curve"]) - auc(theirs[s]["curve"]) for s in seeds])
+        row["time_ratio"] = stats([mine[s]["seconds_per_step"] / theirs[s]["seconds_per_step"] for s in seeds])
+        if target is not None:
+            reached = [first_reach(mine[s], target) for s in seeds]
+            row["target"] = target
+            row["steps_to_target"] = [step for step, _ in reached]
+            row["tokens_to_target"] = [tokens for _, tokens in reached]
+            row["delta_at_baseline_tokens"] = stats([at_tokens(mine[s], budget) - at_tokens(theirs[s], budget)
+                                                     for s in seeds])  # fmt: skip
     return rows
 
 
-def _tail_mean(curve: list[list[Any]], last: int = 5) -> float | None:
-    values = [v for _, v in curve[-last:] if v is not None]
-    return statistics.fmean(values) if values else None
+def _first_own_metric(variant: Variant, runs: list[dict[str, Any]]) -> str:
+    names = sorted({k for r in runs for k in r["mechanisms"]})
+    for entry in variant.plugins:
+        own = [k for k in names if k.startswith(f"trl_credit/{entry['name']}/") and not k.endswith("/seconds")]
+        if own:
+            return own[0]
+    return INFORMATIVE
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
+# ====================================================================== tables
+def _f(x: float | None, digits: int = 3, sign: bool = False) -> str:
+    return "n/a" if x is None else (f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}")
 
 
-def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Settings, base: dict[str, Any],
-             figure: str | None, missing: list[str] | None = None) -> str:
-    """The results table (and what did not run), as markdown."""
+def _ci(s: dict[str, Any] | None, digits: int = 3) -> str:
+    if not s or not s["n"]:
+        return "n/a"
+    half = f" ± {s['ci95']:.{digits}f}" if s.get("ci95") is not None else ""
+    return f"{s['mean']:+.{digits}f}{half}"
+
+
+def _reach(values: list[Any] | None, digits: int = 0) -> str:
+    if not values:
+        return "n/a"
+    hits = [v for v in values if v is not None]
+    if not hits:
+        return f"not reached (0/{len(values)})"
+    return f"{statistics.median(hits):.{digits}f} ({len(hits)}/{len(values)})"
+
+
+def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Settings, bases: dict[str, Any],
+             figures: list[str], missing: list[str]) -> str:
+    """The results tables (and what did not run), as markdown."""
+    base_text = ", ".join(f"`{p}` prompt {_f(b['heldout'])}" for p, b in sorted(bases.items()))
     lines = [
         f"Model `{settings.model}`, dataset `{settings.dataset}`, LoRA r={settings.lora_r}, lr "
         f"{settings.learning_rate}, beta 0, {settings.steps} steps of {settings.per_device_train_batch_size} "
         f"completions ({settings.num_generations} per prompt, at most {settings.max_completion_length} tokens, "
-        f"temperature {settings.temperature}); held-out: greedy, {base['num_prompts']} prompts, "
-        f"verifier `{ACC}`. Base model (before any training, every run): **{_f(base['heldout'])}**.",
+        f"temperature {settings.temperature}). Held-out: greedy, {_eval_n(settings)} prompts never seen in "
+        f"training, verifier `{ACC}`, every {settings.heldout_every} steps. Base model (step 0 of every curve; "
+        f"greedy decoding of the same weights, so no spread): {base_text}.",
         "",
-        "| run | options / note | reward columns | seeds | held-out before | held-out after (mean ± std) | "
-        "after min-max | Δ vs baseline (paired by seed, mean ± std) | train accuracy reward, last 5 steps | "
-        "generated tokens per run | s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "**Baselines** (mean ± 95% t-interval over seeds; std in brackets):",
+        "",
+        "| baseline | prompt | reward columns | trainer keys | seeds | before | final | gain | AUC | "
+        "generated tokens | s/step | informative groups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary.values():
-        after, delta = row["heldout_after"], row.get("delta_vs_baseline")
-        options = ", ".join(f"{k}={v}" for k, v in [*row["options"].items(), *row.get("trainer", {}).items()])
-        note = "; ".join(x for x in (options, row["note"]) if x)
-        delta_text = "—" if delta is None else (
-            f"{delta['mean']:+.3f} ± {delta['std']:.3f} (vs {row['baseline']})" if delta["n"] else "n/a")
+        if row["baseline"] is not None:
+            continue
+        final, gain = row["final"], row["gain"]
+        trainer = ", ".join(f"{k}={v}" for k, v in row["trainer"].items()) or "—"
         lines.append(
-            f"| {row['label']} | {note or '—'} | {', '.join(row['rewards'])} | {len(row['seeds'])} | "
-            f"{_f(row['heldout_before'])} | {_f(after['mean'])} ± {_f(after['std'])} | "
-            f"{_f(after['min'])}-{_f(after['max'])} | {delta_text} | {_f(row['train_verifier_last5']['mean'])} | "
-            f"{_f(row['generated_tokens']['mean'], 0)} | {_f(row['seconds_per_step']['mean'], 1)} |"
-        )  # fmt: skip
+            f"| {row['label']} | {row['prompt']} | {', '.join(row['rewards'])} | {trainer} | {len(row['seeds'])} | "
+            f"{_f(row['before'])} | {_f(final['mean'])} ({_f(final['std'])}) | {_ci(gain)} ({_f(gain['std'])}) | "
+            f"{_f(row['auc']['mean'])} | {_f(row['generated_tokens']['mean'], 0)} | "
+            f"{_f(row['seconds_per_step']['mean'], 1)} | {_f(row[INFORMATIVE]['mean'], 2)} |")  # fmt: skip
+    lines += [
+        "",
+        "**Plugins against their baseline** at equal optimiser steps (Δ: paired by seed, mean ± 95% t-interval; "
+        "an interval that contains 0 is no evidence either way). Steps and tokens to reach the baseline's final "
+        "accuracy: median over the seeds that reached it (how many did). Δ at equal tokens: held-out accuracy "
+        "at the baseline's total generated tokens (the last evaluation within that budget), paired.",
+        "",
+        "| plugin | baseline | seeds | final | Δ final | Δ AUC | steps to baseline final | tokens to baseline "
+        "final | Δ at equal tokens | tokens / baseline's | s/step (× baseline) | mechanism: mean over steps | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    plugin_rows = [r for r in summary.values() if r["baseline"] is not None]
+    plugin_rows.sort(key=lambda r: (0, -r["delta_final"]["mean"]) if r.get("delta_final", {}).get("n") else (1, 0))
+    for row in plugin_rows:
+        base_row = summary.get(row["baseline"], {})
+        ratio = (row["generated_tokens"]["mean"] / base_row["generated_tokens"]["mean"]
+                 if row["generated_tokens"]["mean"] and base_row.get("generated_tokens", {}).get("mean") else None)
+        options = "; ".join(x for x in (", ".join(f"{k}={v}" for k, v in e.items() if k != "name")
+                                        for e in row["plugins"]) if x)  # fmt: skip
+        note = "; ".join(x for x in (options, row["note"]) if x)
+        mech = row["mechanism"].removeprefix("trl_credit/")
+        lines.append(
+            f"| {row['label']} | {row['baseline']} | {len(row.get('paired_seeds', []))} | {_f(row['final']['mean'])} | "
+            f"{_ci(row.get('delta_final'))} | {_ci(row.get('delta_auc'))} | {_reach(row.get('steps_to_target'))} | "
+            f"{_reach(row.get('tokens_to_target'))} | {_ci(row.get('delta_at_baseline_tokens'))} | "
+            f"{_f(ratio, 2)} | {_f(row['seconds_per_step']['mean'], 1)} (× {_f(row.get('time_ratio', {}).get('mean'), 2)}) | "
+            f"{mech} {_f(row['mechanism_value']['mean'], 2)} | {note or '—'} |")  # fmt: skip
     if missing:
-        lines += ["", f"**Partial:** {len(missing)} planned runs are missing from this table (failed, or not "
-                  f"finished when a `--report-only` table was made): {'; '.join(missing)}."]  # fmt: skip
+        lines += ["", f"**Partial:** {len(missing)} planned runs are missing from these tables (failed, or not "
+                  f"finished yet; the grid is resumable): {'; '.join(missing)}."]  # fmt: skip
     if skipped:
         lines += ["", "Not run:", ""]
         lines += [f"- `{name}`: {reason}" for name, reason in sorted(skipped.items())]
-    lines += ["", "std is the sample standard deviation over seeds (0 with one seed). The difference to the baseline "
-              "is paired by seed (same LoRA initialisation and prompt order). `arithmetic_steps` is a "
-              "deterministic stand-in for a process reward model (a rule-based equation checker), "
-              "not a PRM."]  # fmt: skip
-    if figure:
-        lines += ["", f"![reward curves and held-out accuracy]({figure})"]
+    lines += ["", "`arithmetic_steps` and the `arithmetic` step scorer are a deterministic stand-in for a process "
+              "reward model (a rule-based equation checker), not a PRM; the `working` prompt asks for the "
+              "equation they score."]  # fmt: skip
+    for caption, path in figures:
+        lines += ["", f"![{caption}]({path})"]
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], results: dict[str, list[dict]], base: dict[str, Any], path: Path) -> None:
-    """Left: training accuracy reward per step (mean over seeds, min-max band). Right: held-out after."""
+def goal(summary: dict[str, Any], label: str) -> dict[str, Any] | None:
+    """The project's goal for a combination: GRPO's final accuracy in <= 60% of its steps, <= 1.1x its s/step."""
+    row = summary.get(label)
+    if row is None or not row.get("paired_seeds") or "steps_to_target" not in row:
+        return None
+    steps = row["steps_to_target"]
+    total = max(int(row.get("steps_total", 0)), 1)
+    reached = [s for s in steps if s is not None]
+    median = statistics.median(reached) if len(reached) == len(steps) else None
+    ratio = row["time_ratio"]["mean"]
+    return {"label": label, "median_steps_to_target": median, "steps_total": total,
+            "steps_met": median is not None and median <= 0.6 * total, "time_ratio": ratio,
+            "time_met": ratio is not None and ratio <= 1.1}  # fmt: skip
+
+
+# ====================================================================== figures
+def plot(summary: dict[str, Any], results: dict[str, list[dict]], path: Path, x: str) -> None:
+    """One panel per plugin: its mean held-out curve (min-max band over seeds) and its baseline's (dashed).
+
+    ``x`` is ``"step"`` or ``"tokens"`` (cumulative generated tokens, refill included).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(summary)
-    colours = plt.get_cmap("tab20")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [label for label, row in summary.items() if row["baseline"] is not None and results.get(label)]
+    if not labels:
+        labels = [label for label in summary if results.get(label)]
+    cols = min(4, max(1, len(labels)))
+    rows = max(1, math.ceil(len(labels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharey=True)
     try:
-        for i, label in enumerate(labels):
-            curves = [dict((s, v) for s, v in r["verifier_curve"] if v is not None) for r in results.get(label, [])]
-            steps = sorted(set().union(*curves)) if curves else []
-            if not steps:
-                continue
-            mean = [statistics.fmean([c[s] for c in curves if s in c]) for s in steps]
-            low = [min(c[s] for c in curves if s in c) for s in steps]
-            high = [max(c[s] for c in curves if s in c) for s in steps]
-            style = "--" if summary[label]["plugin"] is None else "-"
-            left.plot(steps, mean, style, color=colours(i % 20), label=label, linewidth=1.6)
-            left.fill_between(steps, low, high, color=colours(i % 20), alpha=0.12)
-        left.set_xlabel("step")
-        left.set_ylabel(f"training reward {ACC} (mean over seeds)")
-        left.set_ylim(-0.02, 1.02)
-        left.grid(True, alpha=0.3)
-        left.legend(fontsize=7, ncol=2, loc="best")
-        means = [summary[label]["heldout_after"]["mean"] or 0.0 for label in labels]
-        errors = [summary[label]["heldout_after"]["std"] or 0.0 for label in labels]
-        right.barh(range(len(labels)), means, xerr=errors, color=[colours(i % 20) for i in range(len(labels))])
-        for i, label in enumerate(labels):
-            seeds = [r["heldout_after"] for r in results.get(label, [])]
-            right.plot(seeds, [i] * len(seeds), "k.", markersize=4)
-        right.axvline(base["heldout"], color="k", linestyle=":", label="base model (before)")
-        right.set_yticks(range(len(labels)), labels, fontsize=8)
-        right.invert_yaxis()
-        right.set_xlim(0.0, 1.0)
-        right.set_xlabel("held-out greedy accuracy after training\n(mean ± std; dots: seeds)")
-        right.legend(fontsize=7, loc="lower right")
-        right.grid(True, axis="x", alpha=0.3)
+        for ax in axes.flat[len(labels):]:
+            ax.set_visible(False)
+        for ax, label in zip(axes.flat, labels):
+            for name, style, colour in ((summary[label]["baseline"], "--", "0.4"), (label, "-", "C0")):
+                runs = results.get(name or label, [])
+                if not runs:
+                    continue
+                xs, mean, low, high = _curve_band(runs, x)
+                ax.plot(xs, mean, style, color=colour, linewidth=1.6, label=name)
+                ax.fill_between(xs, low, high, color=colour, alpha=0.15)
+            ax.set_title(label, fontsize=9)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6, loc="lower right")
+            ax.set_xlabel("optimiser step" if x == "step" else "generated tokens", fontsize=8)
+        for ax in axes[:, 0]:
+            ax.set_ylabel("held-out accuracy", fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, format="png", dpi=100)
+        fig.savefig(path, format="png", dpi=90)
     finally:
         plt.close(fig)
+
+
+def _curve_band(runs: list[dict[str, Any]], x: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    steps = [int(s) for s, _ in runs[0]["curve"]]
+    values = [[dict((int(s), v) for s, v in r["curve"]).get(step) for r in runs] for step in steps]
+    keep = [i for i, vs in enumerate(values) if all(v is not None for v in vs)]
+    if x == "step":
+        xs = [float(steps[i]) for i in keep]
+    else:
+        xs = [statistics.fmean(cumulative_tokens(r)[steps[i]] for r in runs) for i in keep]
+    return (xs, [statistics.fmean(values[i]) for i in keep], [min(values[i]) for i in keep],
+            [max(values[i]) for i in keep])  # fmt: skip
 
 
 def update_docs(doc: Path, text: str) -> None:
@@ -524,26 +712,29 @@ def parse_seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs/learning", help="output folder (runs, JSON, table, figure)")
+    parser.add_argument("--out", default=None, help="results folder: one small JSON per run, tables, figures "
+                        "(default: benchmarks/results/learning, committed)")
+    parser.add_argument("--work", default=None, help="train outputs: adapters, logs (default: runs/learning)")
     parser.add_argument("--plugins", default=None, help="comma-separated plugin names (default: every installed one)")
+    parser.add_argument("--combo", action="append", default=[],
+                        help="comma-separated plugins to enable together (repeatable)")
     parser.add_argument("--seeds", default=None, help="N (seeds 0..N-1) or a comma list (default: 3; quick: 1)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 10; quick: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 30; quick: 2)")
     parser.add_argument("--model", default=None, help="model name or path (default: smollm2-135m-instruct)")
-    parser.add_argument("--dataset", default=None,
-                        help="dataset spec (default: arithmetic:max_value=50,seed=0,eval_n=100)")
-    parser.add_argument("--samples-per-prompt", type=int, default=None,
-                        help="also sampled pass@1 and pass@N with N samples per held-out prompt (default: 0, off)")
+    parser.add_argument("--dataset", default=None, help="dataset spec (default: arithmetic:max_value=20,seed=0,"
+                        "eval_n=100)")
+    parser.add_argument("--extra", default=None, help="more `trl grpo` keys for every run, as a JSON object "
+                        "(e.g. the GPU script's QLoRA keys)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed, 2 plugins (CI smoke run)")
-    parser.add_argument("--docs", default=None,
-                        help="markdown file whose learning-results section is replaced (default: docs/results.md; "
-                             "quick: none; '' for none)")
+    parser.add_argument("--docs", default=None, help="markdown file whose learning-results section is replaced "
+                        "(default: docs/results.md; quick: none; '' for none)")
     parser.add_argument("--list", action="store_true", help="print the plan (and what does not apply), train nothing")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per run (0: torch's default; with --jobs: cores // jobs)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs side by side in worker processes (default 1; 2 on a quiet 2-core machine)")
     parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: table, figure and docs from the runs already finished (partial)")
+                        help="train nothing: tables, figures and docs from the runs already finished (partial)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -556,59 +747,71 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings.steps = args.steps or settings.steps
     settings.model = args.model or settings.model
     settings.dataset = args.dataset or settings.dataset
-    if args.samples_per_prompt is not None:
-        settings.samples_per_prompt = args.samples_per_prompt
+    if args.extra:
+        settings.extra = json.loads(args.extra)
     seeds = parse_seeds(args.seeds or ("1" if args.quick else "3"))
     selected = [p.strip() for p in args.plugins.split(",") if p.strip()] if args.plugins else None
-    out = Path(args.out)
+    combos = [[p.strip() for p in c.split(",") if p.strip()] for c in args.combo]
+    if args.quick and args.out is None:
+        raise SystemExit("--quick needs --out (its runs are not the benchmark's)")
+    out = Path(args.out or HERE / "results" / "learning")
+    work = Path(args.work or (out / "work" if args.quick else ROOT / "runs" / "learning"))
     out.mkdir(parents=True, exist_ok=True)
 
     log = _log
     started = time.time()
-    variants, skipped = plan(settings, selected, out, args.quick)
+    variants, skipped = plan(settings, selected, combos, work, args.quick)
     log(f"plan: {', '.join(v.label for v in variants)} x seeds {seeds}; not run: {', '.join(skipped) or 'none'}")
     for name, reason in skipped.items():
         log(f"  {name}: {reason}")
     if args.list:
         return {"variants": [asdict(v) for v in variants], "not_run": skipped}
 
-    base = base_accuracy(settings, out, log)
-    tasks = [(variant, seed) for seed in seeds for variant in variants]  # seed-major: an interrupted job
-    missing: list[str] = []
-    if args.report_only:  # has every variant at the first seeds
+    bases = {p: base_accuracy(settings, p, out, work, log) for p in sorted({v.prompt for v in variants})}
+    base = {p: b["heldout"] for p, b in bases.items()}
+    tasks = [(variant, seed) for seed in seeds for variant in variants]  # seed-major: every variant at seed 0 first
+    if args.report_only:
         done = [(task, finished(settings, *task, out)) for task in tasks]
         missing = [f"{variant.label}/seed{seed}" for (variant, seed), result in done if result is None]
-        log(f"report only: {len(tasks) - len(missing)} of {len(tasks)} runs finished; missing: "
-            f"{', '.join(missing) or 'none'}")  # fmt: skip
+        log(f"report only: {len(tasks) - len(missing)} of {len(tasks)} runs finished")
         pairs = [(task, result) for task, result in done if result is not None]
     else:
         threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
-        ran, failures = run_all(settings, tasks, out, args.jobs, threads, log)
+        ran, failures = run_all(settings, tasks, out, work, base, args.jobs, threads, log)
         pairs = [(task, result) for task, result in zip(tasks, ran) if result is not None]
         missing = [f"{name} (failed: {error})" for name, error in failures.items()]
     results: dict[str, list[dict]] = {}
     for (variant, _), result in pairs:
         results.setdefault(variant.label, []).append(result)
-    summary = summarise(variants, results, base)
-    figure = out / "reward_curves.png"
-    plot(summary, results, base, figure)
+    summary = summarise(variants, results)
+    for row in summary.values():
+        row["steps_total"] = settings.steps
+    figures = {"step": out / "curves_by_step.png", "tokens": out / "curves_by_tokens.png"}
+    for x, path in figures.items():
+        plot(summary, results, path, x)
+    goals = [g for g in (goal(summary, v.label) for v in variants if v.label.startswith("combo:")) if g]
+    captions = [("held-out accuracy per step, each plugin against its baseline", figures["step"].name),
+                ("held-out accuracy against generated tokens", figures["tokens"].name)]
+    (out / "results.md").write_text(markdown(summary, skipped, settings, bases, captions, missing) + "\n")
+    report = {"settings": asdict(settings), "seeds": seeds, "environment": environment(), "bases": bases,
+              "variants": summary, "goals": goals, "not_run": skipped, "missing": missing,
+              "seconds": round(time.time() - started, 1)}  # fmt: skip
     docs = args.docs if args.docs is not None else ("" if args.quick else str(ROOT / "docs" / "results.md"))
-    report = {"settings": asdict(settings), "seeds": seeds, "environment": environment(), "base": base,
-              "variants": summary, "not_run": skipped, "runs": results,
-              "missing": missing, "seconds": round(time.time() - started, 1)}  # fmt: skip
-    (out / "results.md").write_text(markdown(summary, skipped, settings, base, figure.name, missing) + "\n")
     if docs:
         doc = Path(docs)
-        image = doc.parent / "img" / "learning_reward_curves.png"
-        image.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(figure, image)
-        text = markdown(summary, skipped, settings, base, os.path.relpath(image, doc.parent), missing)
+        images = []
+        for (caption, _), (x, figure) in zip(captions, figures.items()):
+            image = doc.parent / "img" / f"learning_{figure.name}"
+            image.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(figure, image)
+            images.append((caption, os.path.relpath(image, doc.parent)))
+        text = markdown(summary, skipped, settings, bases, images, missing)
         command = " ".join(["python benchmarks/learning.py", *(argv if argv is not None else sys.argv[1:])])
         text += f"\n\nGenerated by `{command}` on {time.strftime('%Y-%m-%d')}."
         update_docs(doc, text)
         report["docs"] = str(doc)
-    (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    log(f"done in {report['seconds']} s: {out / 'results.json'}, {out / 'results.md'}, {figure}")
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    log(f"done in {report['seconds']} s: {out / 'results.json'}, {out / 'results.md'}")
     return report
 
 

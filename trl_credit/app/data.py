@@ -20,10 +20,14 @@ import random
 from collections.abc import Collection, Sequence
 from typing import Any
 
-__all__ = ["ARITHMETIC_OPS", "load_train_eval", "make_arithmetic", "parse_arithmetic_spec"]
+__all__ = ["ARITHMETIC_OPS", "PROMPTS", "load_train_eval", "make_arithmetic", "parse_arithmetic_spec"]
 
 ARITHMETIC_OPS: tuple[str, ...] = ("+", "-", "*")
-_TEMPLATE = "What is {question}? Answer with just the number."
+PROMPTS: dict[str, str] = {
+    "answer": "What is {question}? Answer with just the number.",
+    # for process scores: the working is an equation the built-in step checker can score
+    "working": "What is {question}? Write the working as one equation, then the answer.",
+}
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -63,6 +67,7 @@ def make_arithmetic(
     *,
     unique: bool = False,
     exclude_questions: Collection[str] = (),
+    prompt: str = "answer",
 ) -> Any:
     """Generate ``n`` arithmetic questions as a ``datasets.Dataset`` (deterministic for ``seed``).
 
@@ -76,6 +81,9 @@ def make_arithmetic(
         conversational: ``prompt`` as a one-message chat list (True) or a plain string (False).
         unique: no two rows share a question (raises if the space is too small for ``n``).
         exclude_questions: questions (``"a + b"`` form, the ``question`` column) never to emit.
+        prompt: the instruction, a key of ``PROMPTS``: ``answer`` ("Answer with just the number.") or
+            ``working`` ("Write the working as one equation, then the answer.": a completion such as
+            "12 + 7 = 19" that the ``arithmetic`` step checker and the ``arithmetic_steps`` reward score).
 
     Returns:
         A Dataset with columns ``prompt``, ``question``, ``answer`` (str), ``solution`` (= answer),
@@ -92,6 +100,8 @@ def make_arithmetic(
         raise ValueError(f"min_value ({min_value}) > max_value ({max_value})")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if prompt not in PROMPTS:
+        raise ValueError(f"prompt must be one of {sorted(PROMPTS)}, got {prompt!r}")
 
     rng = random.Random(seed)
     excluded = set(exclude_questions)
@@ -114,7 +124,7 @@ def make_arithmetic(
             continue
         seen.add(question)
         answer = str(_evaluate(operands, row_ops))
-        content = _TEMPLATE.format(question=question)
+        content = PROMPTS[prompt].format(question=question)
         rows["prompt"].append([{"role": "user", "content": content}] if conversational else content)
         rows["question"].append(question)
         rows["answer"].append(answer)
@@ -189,7 +199,8 @@ def load_train_eval(
 
     * ``None``, ``"arithmetic"`` or ``"arithmetic:key=value,..."``: the built-in generator. Options
       come from ``arithmetic_kwargs``, then ``dataset_config`` and the ``:`` suffix (later ones win),
-      e.g. ``arithmetic:n=500,max_value=50,ops=+-,num_terms=3``. ``eval_n`` (default 100) and
+      e.g. ``arithmetic:n=500,max_value=50,ops=+-,num_terms=3`` (``prompt=working`` asks for the
+      working). ``eval_n`` (default 100) and
       ``eval_seed`` (default ``seed + 1``) shape the held-out split, whose questions are unique and
       never occur in train.
     * A local ``.json``/``.jsonl``/``.parquet``/``.csv`` file: loaded with datasets' builder (one

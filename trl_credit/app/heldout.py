@@ -12,11 +12,13 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
+from transformers import TrainerCallback
+
 from trl_credit.app.rewards import arithmetic_accuracy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate_model", "generate_answers", "heldout_accuracy", "pass_at_k", "plot_reward_curve",
+__all__ = ["HeldoutCurve", "evaluate_model", "generate_answers", "heldout_accuracy", "pass_at_k", "plot_reward_curve",
            "score_completions", "write_metrics"]
 
 _REWARD_KEY = re.compile(r"^rewards/(.+)/mean$")
@@ -138,6 +140,32 @@ def heldout_accuracy(
     rewards = reward_fn(completions=completions, prompts=prompts, completion_ids=ids, **columns)
     values = [float(r) for r in rewards if r is not None]
     return sum(values) / len(values) if values else math.nan
+
+
+class HeldoutCurve(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that measures ``evaluate()`` every ``every`` optimiser steps.
+
+    ``points`` holds ``[step, value]`` pairs and ``seconds`` the time spent evaluating. Built from a
+    zero-argument ``evaluate`` (``trl-credit train`` passes greedy held-out accuracy), so the training
+    loop is untouched: greedy decoding draws no random numbers, and the run trains exactly as it would
+    without the curve. Points cover the steps run in this process (a resumed run starts a new curve).
+    """
+
+    def __init__(self, evaluate: Callable[[], float], every: int, log: Callable[[str], Any] = print) -> None:
+        if every < 1:
+            raise ValueError(f"HeldoutCurve: every must be >= 1, got {every}")
+        self.evaluate, self.every, self.log = evaluate, every, log
+        self.points: list[list[float]] = []
+        self.seconds = 0.0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step % self.every == 0:
+            clock = time.time()
+            value = float(self.evaluate())
+            self.seconds += time.time() - clock
+            self.points.append([state.global_step, value])
+            self.log(f"held-out accuracy at step {state.global_step}: {value:.3f}")
+        return control
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

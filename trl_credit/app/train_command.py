@@ -2,7 +2,7 @@
 
 The YAML is read with TRL's own parser classes (GRPOScriptArguments, GRPOConfig, ModelConfig,
 DatasetMixtureConfig); ``plugins:`` is taken out first and validated before anything heavy loads.
-`CreditArguments` adds two optional keys for the held-out greedy evaluation the quickstart prints.
+`CreditArguments` adds optional keys for the held-out greedy evaluation the quickstart prints (and its curve).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class CreditArguments:
     heldout_samples: int = field(default=0, metadata={"help": "Greedy held-out accuracy on this many eval "
                                                                "prompts before and after training (0: off)."})
     heldout_max_new_tokens: int = field(default=24, metadata={"help": "Max new tokens for the held-out evaluation."})
+    heldout_every: int = field(default=0, metadata={"help": "Also evaluate the held-out accuracy every this many "
+                                                           "optimiser steps: a curve in metrics.json (0: off)."})
+    heldout_before: bool = field(default=True, metadata={"help": "Evaluate the held-out accuracy before training "
+                                                                 "(false: skip it, e.g. when it is known)."})
 
 
 @dataclass
@@ -109,7 +113,21 @@ def load_config(path: str, overrides: list[str] | None = None) -> Loaded:
     finally:
         os.unlink(stripped)
     script_args, training_args, model_args, dataset_args, credit_args = parsed
+    problems = credit_problems(path, credit_args)
+    if problems:
+        raise ConfigError(problems)
     return Loaded(path, raw, plugins, script_args, training_args, model_args, dataset_args, credit_args)
+
+
+def credit_problems(path: str, args: CreditArguments) -> list[str]:
+    """What is wrong with trl-credit's own keys (negative counts, a curve without held-out prompts)."""
+    problems = [f"{path}: {key} must be >= {low}, got {getattr(args, key)}"
+                for key, low in (("heldout_samples", 0), ("heldout_every", 0), ("heldout_max_new_tokens", 1))
+                if getattr(args, key) < low]  # fmt: skip
+    if args.heldout_every > 0 and args.heldout_samples == 0:
+        problems.append(f"{path}: heldout_every: {args.heldout_every} needs held-out prompts: set heldout_samples "
+                        "(for example 100), or heldout_every: 0")  # fmt: skip
+    return problems
 
 
 def load_datasets(cfg: Loaded):
@@ -276,7 +294,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
 
     from trl import get_peft_config, get_quantization_config
 
-    from trl_credit.app.heldout import heldout_accuracy, plot_reward_curve, write_metrics
+    from trl_credit.app.heldout import HeldoutCurve, heldout_accuracy, plot_reward_curve, write_metrics
     from trl_credit.app.models import resolve_model
     from trl_credit.trainer import CreditGRPOTrainer
 
@@ -302,9 +320,14 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     if trainer.accelerator.is_main_process:
         metrics["resolved_config"] = save_resolved_config(cfg, overrides, targs.output_dir)
     n_eval = cfg.credit_args.heldout_samples
-    heldout = None
+    heldout = curve = None
     if n_eval and eval_set is not None:
         heldout = eval_set.select(range(min(n_eval, len(eval_set))))
+        if cfg.credit_args.heldout_every:
+            curve = HeldoutCurve(lambda: _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy),
+                                 cfg.credit_args.heldout_every, trainer.accelerator.print)
+            trainer.add_callback(curve)
+    if heldout is not None and cfg.credit_args.heldout_before:
         clock = time.time()
         metrics["heldout_accuracy_before"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
         metrics["heldout_seconds"] = round(time.time() - clock, 1)
@@ -323,8 +346,13 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
     metrics["train_seconds"] = round(time.time() - clock, 1)
     metrics["seconds_per_step"] = round(metrics["train_seconds"] / max(trainer.state.global_step, 1), 2)
     trainer.save_model(targs.output_dir)
+    if curve is not None:
+        metrics["heldout_curve"], metrics["heldout_curve_seconds"] = curve.points, round(curve.seconds, 1)
     if heldout is not None:
-        metrics["heldout_accuracy_after"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
+        if curve is not None and curve.points and curve.points[-1][0] == trainer.state.global_step:
+            metrics["heldout_accuracy_after"] = curve.points[-1][1]  # just evaluated at this step
+        else:
+            metrics["heldout_accuracy_after"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
         trainer.accelerator.print(f"held-out accuracy after training:  {metrics['heldout_accuracy_after']:.3f}")
     metrics["total_seconds"] = round(time.time() - started, 1)
     history = trainer.state.log_history
