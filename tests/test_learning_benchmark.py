@@ -1,7 +1,8 @@
 """benchmarks/learning.py --quick (tiny model, 2 steps, 1 seed, 2 plugins) and benchmarks/gpu_qlora.py on CPU.
 
-Only that the scripts run end to end and write every promised output; no learning is asserted (a
-tiny random model gets no reward in two steps).
+The scripts run end to end and write every promised output; no learning is asserted (a tiny random
+model gets no reward in two steps). The statistics (t-interval, AUC, steps and tokens to a target,
+accuracy at a token budget) are checked on known values.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def quick(tmp_path_factory):
     doc = out / "results.md.in"
     doc.write_text("# Results\n\nbefore\n<!-- learning-results:begin -->\nold table\n"
                    "<!-- learning-results:end -->\nafter\n")
-    report = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", str(doc)])
+    report = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", str(doc),
+                                     "--combo", "dynamic_sampling,balanced_aggregation"])
     return out, report, doc
 
 
@@ -40,72 +42,95 @@ def test_quick_writes_results_json(quick):
     on_disk = json.loads((out / "run" / "results.json").read_text())
     assert on_disk["seeds"] == [0] and on_disk["settings"]["steps"] == 2
     variants = on_disk["variants"]
-    plugins = [v for v in variants.values() if v["plugin"] is not None]
-    assert len(plugins) == 2 and "grpo" in variants and variants["grpo"]["plugin"] is None
+    plugins = [v for v in variants.values() if v["baseline"] is not None]
+    assert [v["label"] for v in plugins] == ["dynamic_sampling", "balanced_aggregation",
+                                             "combo:dynamic_sampling+balanced_aggregation"]
+    assert variants["grpo"]["plugins"] == [] and plugins[-1]["plugins"] == [{"name": "dynamic_sampling"},
+                                                                              {"name": "balanced_aggregation"}]
     for row in variants.values():
-        assert row["seeds"] == [0]
-        assert 0.0 <= row["heldout_before"] <= 1.0 and row["heldout_before"] == on_disk["base"]["heldout"]
-        assert 0.0 <= row["heldout_after"]["mean"] <= 1.0 and row["heldout_after"]["std"] == 0.0
+        assert row["seeds"] == [0] and row["before"] == on_disk["bases"]["answer"]["heldout"]
+        assert 0.0 <= row["final"]["mean"] <= 1.0 and row["final"]["std"] == 0.0 and row["final"]["ci95"] is None
         assert row["generated_tokens"]["mean"] > 0 and row["seconds_per_step"]["mean"] > 0
     for row in plugins:
-        assert row["baseline"] == "grpo" and row["delta_vs_baseline"]["n"] == 1
-        assert row["delta_vs_baseline"]["mean"] == pytest.approx(row["heldout_after"]["mean"]
-                                                                 - variants["grpo"]["heldout_after"]["mean"])
-    # equal budget: the same steps and the same completions per step everywhere
-    runs = [run for label_runs in on_disk["runs"].values() for run in label_runs]
-    assert {run["steps"] for run in runs} == {2} and len({run["token_budget"] for run in runs}) == 1
-    assert report["variants"].keys() == variants.keys()
+        assert row["baseline"] == "grpo" and row["delta_final"]["n"] == 1 and row["paired_seeds"] == [0]
+        assert row["delta_final"]["mean"] == pytest.approx(row["final"]["mean"] - variants["grpo"]["final"]["mean"])
+        assert len(row["steps_to_target"]) == 1 and row["time_ratio"]["mean"] > 0
+    for path in (out / "run" / "runs").glob("*/seed0.json"):  # one small JSON per run, the curve in it
+        run = json.loads(path.read_text())
+        assert [step for step, _ in run["curve"]] == [0, 1, 2] and len(run["tokens_per_step"]) == run["steps"] == 2
+        assert run["generated_tokens"] == pytest.approx(sum(run["tokens_per_step"]), abs=0.2)
+    assert report["variants"].keys() == variants.keys() and len(report["goals"]) == 1
 
 
-def test_quick_writes_png_table_and_run_dirs(quick):
+def test_quick_writes_figures_tables_and_docs(quick):
     out, report, doc = quick
-    assert (out / "run" / "reward_curves.png").read_bytes()[:8] == PNG_MAGIC
+    for name in ("curves_by_step.png", "curves_by_tokens.png"):
+        assert (out / "run" / name).read_bytes()[:8] == PNG_MAGIC
+        assert (doc.parent / "img" / f"learning_{name}").read_bytes()[:8] == PNG_MAGIC
     table = (out / "run" / "results.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
-    assert len(rows) == len(report["variants"]) == 3
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| baseline ",
+                                                                                                  "| plugin "))]
     assert {row.split("|")[1].strip() for row in rows} == set(report["variants"])
-    assert all(" ± " in row for row in rows)
-    for label in report["variants"]:
-        folder = out / "run" / "runs" / label / "seed0"
-        assert (folder / "adapter_model.safetensors").exists() and (folder / "trl_credit_config.yaml").exists()
-        assert json.loads((folder / "eval_test.json").read_text())["evaluated"] == "adapter"
-    # the docs section between the markers was replaced, the rest kept; the figure copied beside it
+    assert (out / "run" / "work" / "runs" / "grpo" / "seed0" / "adapter_model.safetensors").exists()
     text = doc.read_text()
     assert "old table" not in text and text.startswith("# Results\n\nbefore\n") and text.endswith("after\n")
-    assert "| grpo | baseline |" in text and (doc.parent / "img" / "learning_reward_curves.png").exists()
+    assert "| grpo | answer |" in text and "learning_curves_by_tokens.png" in text
 
 
 def test_quick_is_resumable(quick, capsys):
     out, report, _ = quick
-    again = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", ""])
+    again = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", "",
+                                    "--combo", "dynamic_sampling,balanced_aggregation"])
     printed = capsys.readouterr().out
-    assert printed.count("done already") == 3 and "training" not in printed
-    assert again["variants"] == json.loads(json.dumps(report["variants"]))
+    assert "4 of 4 runs done already; 0 to run" in printed and "training" not in printed
+    assert json.loads(json.dumps(again["variants"], default=str)) == json.loads(json.dumps(report["variants"],
+                                                                                           default=str))
+
+
+def test_statistics_on_known_values():
+    learning = _load("learning")
+    s = learning.stats([0.1, 0.2, 0.3])
+    assert s["mean"] == pytest.approx(0.2) and s["std"] == pytest.approx(0.1)
+    assert s["ci95"] == pytest.approx(4.303 * 0.1 / 3**0.5)  # t(0.975, df 2)
+    assert learning.t975(4) == 2.776 and learning.t975(11) == 2.228  # nearest tabulated df below
+    # trapezoid area / span: (0.4 + 0.6) / 2 * 5 + (0.6 + 0.8) / 2 * 5 over 10 steps
+    assert learning.auc([[0, 0.4], [5, 0.6], [10, 0.8]]) == pytest.approx(0.6)
+    run = {"curve": [[0, 0.4], [2, 0.5], [4, 0.7]], "tokens_per_step": [100.0, 100.0, 300.0, 300.0]}
+    assert learning.cumulative_tokens(run) == {0: 0.0, 1: 100.0, 2: 200.0, 3: 500.0, 4: 800.0}
+    assert learning.first_reach(run, 0.5) == (2, 200.0) and learning.first_reach(run, 0.9) == (None, None)
+    assert learning.at_tokens(run, 500.0) == 0.5 and learning.at_tokens(run, 50.0) == 0.4
 
 
 def test_presets_and_seeds():
     learning = _load("learning")
     assert learning.parse_seeds("3") == [0, 1, 2] and learning.parse_seeds("0,4") == [0, 4]
-    assert learning.Variant("gdpo", "gdpo", {}, [learning.ACC, learning.PROCESS]).baseline == "grpo+steps"
+    gdpo = learning.preset_variant("gdpo")
+    assert gdpo.rewards == [learning.ACC, learning.PROCESS] and gdpo.baseline == "grpo+steps@working"
+    settings = learning.Settings()
+    config = learning.run_config(settings, gdpo, 0, "out")
+    assert config["dataset_name"].endswith(",prompt=working") and config["plugins"] == [{"name": "gdpo"}]
+    assert config["heldout_every"] == 5 and config["heldout_samples"] == 100 and not config["heldout_before"]
     from trl_credit.app.rewards import known_reward_names
 
     assert learning.PROCESS in known_reward_names()  # the process-score stand-in is a built-in reward
     # trainer keys a plugin needs go into its config and its baseline's (a separate, paired baseline)
-    drpo = learning.Variant("drpo", "drpo", {}, [learning.ACC], "", {"loss_type": "grpo"})
-    assert drpo.baseline == "grpo@loss_type=grpo"
-    settings = learning.Settings()
+    drpo = learning.preset_variant("drpo")
+    assert drpo.baseline == "grpo@loss_type=grpo" and drpo.baseline_variant().trainer == {"loss_type": "grpo"}
     assert learning.run_config(settings, drpo, 0, "out")["loss_type"] == "grpo"
-    plain = learning.Variant("grpo", None, {}, [learning.ACC])
-    assert "loss_type" not in learning.run_config(settings, plain, 0, "out")
+    plain = learning.Variant("grpo", [], [learning.ACC])
+    assert "loss_type" not in learning.run_config(settings, plain, 0, "out") and plain.baseline == "grpo"
     assert learning.fingerprint(settings, plain, 0) != learning.fingerprint(settings, drpo, 0)
+    combo = learning.combo_variant(["dynamic_sampling", "drpo", "gdpo"])
+    assert combo.baseline == "grpo+steps@working@loss_type=grpo" and combo.prompt == "working"
+    assert [e["name"] for e in combo.plugins] == ["dynamic_sampling", "drpo", "gdpo"]
 
 
 def test_list_reports_what_does_not_apply(tmp_path):
     learning = _load("learning")
     plan = learning.main(["--quick", "--list", "--out", str(tmp_path), "--plugins", "gdpo,no_such_plugin"])
     labels = [v["label"] for v in plan["variants"]]
-    if "gdpo" in labels:  # installed: it runs against the baseline with the same two reward columns
-        assert labels == ["grpo", "grpo+steps", "gdpo"]
+    if "gdpo" in labels:  # installed: it runs against the baseline with the same prompt and reward columns
+        assert labels == ["grpo", "grpo+steps@working", "gdpo"]
     assert "not installed" in plan["not_run"]["no_such_plugin"]
 
 
@@ -149,17 +174,17 @@ def test_jobs_run_side_by_side_and_report_only_reads_them_back(tmp_path):
         pytest.skip("dynamic_sampling is not installed")
     assert labels == ["grpo", "dynamic_sampling"]
     for label in labels:
-        assert (out / "runs" / label / "seed0" / "adapter_model.safetensors").exists()
+        assert (out / "work" / "runs" / label / "seed0" / "adapter_model.safetensors").exists()
         assert report["variants"][label]["seeds"] == [0]
     assert done.stdout.count("training 2 steps") == 2
 
     learning = _load("learning")
     again = learning.main(["--quick", "--report-only", "--seeds", "0,1", "--plugins", "dynamic_sampling",
                            "--out", str(out), "--docs", ""])  # fmt: skip
-    assert not (out / "runs" / "grpo" / "seed1").exists()  # nothing trained
+    assert not (out / "runs" / "grpo" / "seed1.json").exists()  # nothing trained
     for label in labels:
         assert again["variants"][label]["seeds"] == [0]
-        assert again["variants"][label]["heldout_after"] == report["variants"][label]["heldout_after"]
+        assert again["variants"][label]["final"] == report["variants"][label]["final"]
     assert again["seeds"] == [0, 1] and again["missing"] == [f"{label}/seed1" for label in labels]
     assert "**Partial:** 2 planned runs" in (out / "results.md").read_text()
 
@@ -168,10 +193,10 @@ def test_a_failing_run_is_reported_not_fatal(tmp_path, monkeypatch):
     learning = _load("learning")
     real = learning.run_one
 
-    def flaky(settings, variant, seed, out, log):
+    def flaky(settings, variant, seed, out, work, base, log):
         if variant.label == "dynamic_sampling":
             raise ValueError("boom\nsecond line")
-        return real(settings, variant, seed, out, log)
+        return real(settings, variant, seed, out, work, base, log)
 
     monkeypatch.setattr(learning, "run_one", flaky)
     report = learning.main(["--quick", "--plugins", "dynamic_sampling", "--out", str(tmp_path), "--docs", ""])
