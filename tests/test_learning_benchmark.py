@@ -206,3 +206,21 @@ def test_a_failing_run_is_reported_not_fatal(tmp_path, monkeypatch):
     assert report["variants"]["dynamic_sampling"]["seeds"] == [] and report["variants"]["grpo"]["seeds"] == [0]
     table = (tmp_path / "results.md").read_text()
     assert "**Partial:** 1 planned runs are missing" in table and "ValueError: boom" in table
+
+
+def test_gpu_learning_cpu_smoke(tmp_path):
+    """The GPU session's short learning run, on the CPU with the tiny model: QLoRA keys reach every run."""
+    report = _load("gpu_learning").main(["--cpu-smoke", "--plugins", "dynamic_sampling", "--out", str(tmp_path / "o"),
+                                         "--json", str(tmp_path / "gpu.json")])  # fmt: skip
+    on_disk = json.loads((tmp_path / "gpu.json").read_text())
+    assert on_disk["device"] == "cpu" and on_disk["qlora"]["load_in_4bit"] and on_disk["steps"] == 2
+    labels = [r["label"] for r in on_disk["runs"]]
+    if "dynamic_sampling" not in labels:
+        pytest.skip("dynamic_sampling is not installed")
+    assert sorted(labels) == ["dynamic_sampling", "grpo"]
+    assert all(len(r["curve"]) == 3 and r["wall_seconds"] > 0 for r in on_disk["runs"])
+    saved = (tmp_path / "o" / "work" / "runs" / "grpo" / "seed0.yaml").read_text()
+    assert "load_in_4bit: true" in saved and "use_bnb_nested_quant: true" in saved
+    grid = report["full_grid"]
+    assert grid["runs"] > len(labels) and grid["hours_one_at_a_time"] == pytest.approx(
+        round(grid["runs"] * grid["seconds_per_run"] / 3600, 2))

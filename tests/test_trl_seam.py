@@ -29,12 +29,27 @@ METHODS = {
 }
 #: attributes of a built GRPOTrainer the host reads
 ATTRIBUTES = ["_tokenizer", "_metrics", "_train_batch_size", "reward_func_names", "reward_weights", "num_generations",
-              "num_iterations", "loss_type", "beta", "ref_model", "accelerator"]
+              "num_iterations", "loss_type", "beta", "ref_model", "accelerator", "epsilon_low", "epsilon_high",
+              "max_completion_length", "temperature"]
 #: module-level TRL names the host imports
 IMPORTS = {"trl.trainer.utils": ["RepeatSampler", "use_adapter", "nanstd"],
            "trl.models.utils": ["disable_gradient_checkpointing"], "trl": ["GRPOTrainer", "GRPOConfig"]}
 #: output keys of _generate_and_score_completions the host reads or writes
 OUTPUT_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
+
+
+def test_the_loss_seam_reads_what_the_loss_hooks_pass():
+    """The loss hooks rely on three facts of TRL's ``_compute_loss``: it calls
+    ``self._get_per_token_logps_and_entropies`` once (the host keeps its output for ``loss_terms``),
+    its loss mask is ``completion_mask * inputs["tool_mask"]`` (token weights), and its clip bounds are
+    ``self.epsilon_low`` / ``self.epsilon_high`` (per-sample bounds). The parity tests in
+    test_loss_hooks.py check the values; this names what moved."""
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert source.count("self._get_per_token_logps_and_entropies(") == 1, "TRL changed how _compute_loss scores"
+    assert 'completion_mask * inputs["tool_mask"]' in source, "TRL changed the loss mask (tool_mask)"
+    assert "1 - self.epsilon_low, 1 + self.epsilon_high" in source, "TRL changed its clip bounds"
 
 
 def test_supported_trl_version():

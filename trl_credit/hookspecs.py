@@ -16,7 +16,8 @@ own; the host slices out the local rows afterwards.
 Per step the host runs, for each generation round:
 ``shape_rewards`` (chained) -> ``filter_rollouts`` (AND) -> [refill rounds] ->
 ``compute_advantages`` (exactly one) -> ``transform_advantages`` (chained) -> ``kl_coefficient``
-(at most one) -> ``on_batch_end``.
+(at most one) -> ``on_batch_end``; then, for each micro-batch inside TRL's ``compute_loss``:
+``loss_weights`` (multiplied; clip bounds from at most one plugin) -> TRL's loss -> ``loss_terms`` (added).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # heavy imports only for type checkers
     import torch
 
     from trl_credit.batch import PromptStats, RolloutBatch
+    from trl_credit.loss import LossInputs, LossWeights
 
 PROJECT = "trl_credit"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -113,6 +115,40 @@ def kl_coefficient(batch: RolloutBatch) -> float | None:
 
 
 @hookspec
+def loss_weights(loss: LossInputs) -> LossWeights | None:
+    """Weight tokens and set per-sample clip bounds of TRL's loss for one micro-batch.  Token weights multiplied.
+
+    :param loss: this process's rows of the micro-batch (`trl_credit.LossInputs`): ids, ``mask``,
+        ``advantages``, ``old_logps``, ``ref_logps``, ``loss_type``, the config's ``epsilon_low`` /
+        ``epsilon_high``, ``beta``, and ``rows`` into ``loss.batch`` (the generation batch). The new
+        log-probs are not computed yet (``loss.logps`` is None).
+    :return: a `trl_credit.LossWeights` or ``None``. ``token``: ``(B, T)`` finite weights >= 0 that
+        multiply TRL's loss mask, as its ``tool_mask`` does (policy term, KL term and entropy bonus of
+        the token; and its share of the normaliser under ``grpo``/``sapo``/``bnpo``).
+        ``epsilon_low`` / ``epsilon_high``: ``(B,)`` finite bounds >= 0 used in place of the config's
+        for those rows, under the loss types with a clipped surrogate (`trl_credit.loss.CLIPPED_LOSSES`);
+        at most one plugin may set them in a run.
+    Called for every micro-batch, on every process, inside ``compute_loss`` (also when an update is
+    repeated with ``num_iterations > 1``).
+    """
+
+
+@hookspec
+def loss_terms(loss: LossInputs) -> dict[str, torch.Tensor] | None:
+    """Add named terms to the loss of one micro-batch.  Summed over plugins.
+
+    :param loss: as for ``loss_weights``, plus ``loss.logps`` (``(B, T)`` per-token log-probs of the
+        policy *with gradient*) and ``loss.entropies``, both from TRL's own forward pass (no extra
+        pass). ``loss.aggregate(x)`` reduces a ``(B, T)`` quantity the way the run's ``loss_type``
+        reduces its per-token loss, so a term can match TRL's normalisation.
+    :return: ``{name: scalar tensor}`` (finite; with gradient where the term should train the
+        policy) or ``None``. Each term is added to TRL's loss, divided by the gradient-accumulation
+        steps as TRL divides its own, and logged as ``trl_credit/<plugin>/<name>`` (unscaled).
+    Called for every micro-batch, on every process, right after TRL's loss.
+    """
+
+
+@hookspec
 def prompt_weights(stats: PromptStats, step: int) -> torch.Tensor | None:
     """Give every training prompt a sampling weight (prompt curriculum).  Multiplied together.
 
@@ -165,6 +201,8 @@ HOOKS = (
     "compute_advantages",
     "transform_advantages",
     "kl_coefficient",
+    "loss_weights",
+    "loss_terms",
     "prompt_weights",
     "on_train_begin",
     "on_batch_end",

@@ -17,6 +17,7 @@ from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.builtin import GRPOAdvantage
 from trl_credit.config import EnabledPlugin, PluginSet
 from trl_credit.hookspecs import HOOKS
+from trl_credit.loss import CLIPPED_LOSSES, LossInputs, LossWeights
 
 
 class PluginRuntimeError(RuntimeError):
@@ -59,7 +60,7 @@ class Pipeline:
     # ---------------------------------------------------------------- calling
     def _call(self, plugin: EnabledPlugin, hook: str, at_step: int, **kwargs: Any) -> Any:
         function, argnames = self._impls[(plugin.key, hook)]
-        batch = kwargs.get("batch")
+        batch = kwargs.get("batch") if "loss" not in kwargs else kwargs["loss"].batch
         before = _tensor_versions(batch) if batch is not None else None
         start = time.perf_counter()
         try:
@@ -190,6 +191,64 @@ class Pipeline:
                 self._fail(plugin, "kl_coefficient", batch.step, f"beta = {beta}; it must be finite and >= 0")
             return beta
         return None
+
+    def loss_weights(self, loss: LossInputs) -> LossWeights | None:
+        """The product of the plugins' token weights and the one plugin's clip bounds (None: no plugin gave any)."""
+        token = low = high = None
+        source = None
+        b, t = loss.completion_ids.shape
+        for plugin in self.plugins.with_hook("loss_weights"):
+            out = self._call(plugin, "loss_weights", loss.step, loss=loss)
+            if out is None:
+                continue
+            if not isinstance(out, LossWeights):
+                self._fail(plugin, "loss_weights", loss.step, f"a {type(out).__name__} (expected trl_credit.LossWeights "
+                           "or None)")
+            if out.token is not None:
+                w = self._loss_tensor(plugin, "token weights", loss.step, out.token, (b, t))
+                token = w if token is None else token * w
+            for name, value in (("epsilon_low", out.epsilon_low), ("epsilon_high", out.epsilon_high)):
+                if value is None:
+                    continue
+                if loss.loss_type not in CLIPPED_LOSSES:
+                    self._fail(plugin, "loss_weights", loss.step, f"{name} under loss_type {loss.loss_type}, which has "
+                               f"no clip bounds (only {', '.join(CLIPPED_LOSSES)} do)")
+                if source is not None and source != plugin.key:
+                    self._fail(plugin, "loss_weights", loss.step, f"{name}, but plugin '{source}' already set the clip "
+                               "bounds of this micro-batch (at most one plugin may)")
+                source = plugin.key
+                bound = self._loss_tensor(plugin, name, loss.step, value, (b,))
+                low, high = (bound, high) if name == "epsilon_low" else (low, bound)
+        if token is None and low is None and high is None:
+            return None
+        return LossWeights(token, low, high)
+
+    def _loss_tensor(self, plugin, what: str, step: int, value: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            self._fail(plugin, "loss_weights", step, f"{what} as a {type(value).__name__} (expected a tensor)")
+        if tuple(value.shape) != shape:
+            self._fail(plugin, "loss_weights", step, f"{what} of shape {tuple(value.shape)}, expected {shape}")
+        self._check_finite(plugin, "loss_weights", step, value.detach())
+        if bool((value < 0).any()):
+            self._fail(plugin, "loss_weights", step, f"negative {what}")
+        return value.detach().to(torch.float32)
+
+    def loss_terms(self, loss: LossInputs) -> dict[tuple[str, str], torch.Tensor]:
+        """``{(plugin key, term name): scalar}`` from every ``loss_terms`` plugin, checked finite and 0-dim."""
+        terms: dict[tuple[str, str], torch.Tensor] = {}
+        for plugin in self.plugins.with_hook("loss_terms"):
+            out = self._call(plugin, "loss_terms", loss.step, loss=loss)
+            if out is None:
+                continue
+            if not isinstance(out, dict):
+                self._fail(plugin, "loss_terms", loss.step, f"a {type(out).__name__} (expected a dict of scalars or None)")
+            for name, value in out.items():
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                    self._fail(plugin, "loss_terms", loss.step, f"term '{name}' as {what} (expected a 0-dim tensor)")
+                self._check_finite(plugin, "loss_terms", loss.step, value.detach())
+                terms[(plugin.key, str(name))] = value
+        return terms
 
     def prompt_weights(self, stats: PromptStats, step: int) -> torch.Tensor | None:
         """Product of the curricula's weights, normalised; None when no curriculum is enabled."""

@@ -3,7 +3,9 @@
 Wrap, never copy. The only GRPOTrainer methods overridden here are small seams, each calling the
 original: ``_calculate_rewards`` (to keep the round's inputs), the *tail* of
 ``_generate_and_score_completions`` (its output is post-processed: rewards shaped, rollouts
-filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-sequence losses),
+filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-sequence losses;
+loss plugins: token weights passed as TRL's ``tool_mask``, clip bounds as its ``epsilon_low`` /
+``epsilon_high``, TRL's own ``_get_per_token_logps_and_entropies`` output kept for extra terms),
 ``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
 ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state). With no plugins enabled
 every seam returns TRL's result untouched.
@@ -26,6 +28,7 @@ from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.config import PluginSet, build_plugins, check_reward_columns, check_run, reward_names
 from trl_credit.distributed import gather_padded
+from trl_credit.loss import LossInputs
 from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.refill import RefillStream, assemble
 from trl_credit.sampler import CurriculumSampler
@@ -58,6 +61,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                 kwargs["train_dataset"] = dataset.add_column(PROMPT_INDEX, list(range(len(dataset))))
         self.prompt_stats = PromptStats.empty(len(dataset) if hasattr(dataset, "__len__") else 0)
         self._credit_round: dict[str, Any] = {}
+        self._credit_batch: RolloutBatch | None = None
         self._credit_skip_update = False
         self.refill_stream = RefillStream(self)
         super().__init__(**kwargs)
@@ -108,6 +112,12 @@ class CreditGRPOTrainer(GRPOTrainer):
         return self._finish(output, batch, rounds, extra_tokens, budget_hit)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if "trl_credit_row" in inputs:  # a loss plugin is enabled and this is a training batch
+            return self._plugin_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self._trl_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _trl_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss, with this batch's ``beta`` (kl_coefficient) and the non-dilution factor (filters)."""
         beta = inputs.get("trl_credit_beta")
         if beta is None:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -122,6 +132,60 @@ class CreditGRPOTrainer(GRPOTrainer):
             # dropped rows add 0 to the row-mean; rescale so the mean runs over kept rows only
             loss = loss * (kept.numel() / kept.sum().clamp(min=1))
         return loss
+
+    def _plugin_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """``loss_weights`` -> TRL's loss (weights as its ``tool_mask``, clip bounds as its epsilons) -> ``loss_terms``."""
+        view = self._loss_inputs(inputs)
+        weights = self.pipeline.loss_weights(view) if self.pipeline.has("loss_weights") else None
+        run_inputs = {k: v for k, v in inputs.items() if k != "trl_credit_row"}
+        epsilons = (self.epsilon_low, self.epsilon_high)
+        if weights is not None and weights.token is not None:
+            token = weights.token.to(view.mask.device)
+            run_inputs["tool_mask"] = token if "tool_mask" not in inputs else inputs["tool_mask"] * token
+        if weights is not None and weights.epsilon_low is not None:
+            self.epsilon_low = weights.epsilon_low.to(view.mask.device).unsqueeze(1)
+        if weights is not None and weights.epsilon_high is not None:
+            self.epsilon_high = weights.epsilon_high.to(view.mask.device).unsqueeze(1)
+        captured: list = []
+        if self.pipeline.has("loss_terms"):  # keep TRL's own log-probs (with grad): no second forward pass
+            forward = self._get_per_token_logps_and_entropies
+
+            def keep_logps(*args, **kwargs):
+                out = forward(*args, **kwargs)
+                captured.append(out)
+                return out
+
+            self._get_per_token_logps_and_entropies = keep_logps
+        try:
+            loss = self._trl_loss(model, run_inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.epsilon_low, self.epsilon_high = epsilons
+            self.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        if captured:
+            view.logps, view.entropies = captured[0][0], captured[0][1]
+            mode = "train" if self.model.training else "eval"
+            scale = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            for (key, name), value in self.pipeline.loss_terms(view).items():
+                loss = loss + value / scale
+                self._metrics[mode][f"trl_credit/{key}/{name}"].append(float(value.detach()))
+        return loss
+
+    def _loss_inputs(self, inputs) -> LossInputs:
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        num_items = None
+        if self.loss_type in ("dapo", "cispo", "vespo"):  # TRL's normaliser, per micro-batch before accumulation
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if self.model.training:
+                num_items = num_items / self.args.steps_per_generation
+        beta = inputs.get("trl_credit_beta")
+        return LossInputs(
+            batch=self._credit_batch, rows=inputs["trl_credit_row"], prompt_ids=inputs["prompt_ids"],
+            prompt_mask=inputs["prompt_mask"], completion_ids=inputs["completion_ids"], mask=mask.float(),
+            advantages=inputs["advantages"], old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps"), loss_type=self.loss_type,
+            epsilon_low=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
+            beta=float(self.beta if beta is None else beta), max_completion_length=self.max_completion_length,
+            num_items=num_items, step=self.state.global_step)  # fmt: skip
 
     def _get_train_sampler(self, dataset=None):
         if self.pipeline.has("prompt_weights"):
@@ -237,6 +301,9 @@ class CreditGRPOTrainer(GRPOTrainer):
             mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
             output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         self._credit_skip_update = not bool(kept.any())
+        if self.pipeline.has("loss_weights") or self.pipeline.has("loss_terms"):
+            self._credit_batch = batch  # the loss hooks read it through `rows`
+            output["trl_credit_row"] = torch.arange(local.start, local.stop, device=output["completion_ids"].device)
         if beta is not None:
             if beta > 0 and output.get("ref_per_token_logps") is None:  # TRL skipped it (config beta = 0)
                 ref = batch.ref_logps()[local][:, : output["completion_ids"].shape[1]]

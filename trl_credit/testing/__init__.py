@@ -38,7 +38,8 @@ from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write
 from trl_credit.testing.tiny import answer_reward, tiny_dataset, tiny_model, tiny_model_path, train_tiny
 
 __all__ = ["PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
-           "edge_case_batches", "load_plugin", "STATE_FILE", "make_batch", "plugin_set", "run_curriculum", "run_plugin",
+           "edge_case_batches", "load_plugin", "LossResult", "loss_inputs", "STATE_FILE", "make_batch", "plugin_set",
+           "run_curriculum", "run_loss", "run_plugin",
            "tiny_dataset", "tiny_model", "tiny_model_path", "train_tiny"]
 
 
@@ -321,6 +322,50 @@ def run_plugin(plugin: type | str | Any, batch: RolloutBatch | Sequence[RolloutB
     metrics = {k: sum(v) / len(v) for k, v in batch.metrics.items()}
     return PluginResult(batch, batch.rewards, list(batch.reward_names), keep, advantages,
                         plugins.plugins[0].instance, metrics, beta)
+
+
+def loss_inputs(batch: RolloutBatch, advantages: torch.Tensor, *, logps: torch.Tensor | None = None,
+                old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
+                beta: float = 0.0, max_completion_length: int | None = None) -> Any:
+    """A `trl_credit.LossInputs` for the whole ``batch`` as one micro-batch (rows in batch order).
+
+    ``logps`` default: a leaf ``(N, T)`` tensor of -1.0 with ``requires_grad`` (so a term's gradient
+    can be checked with ``torch.autograd.grad``); ``num_items`` is the batch's mask sum, as TRL's
+    ``dapo`` normaliser is on one process with one micro-batch per step.
+    """
+    from trl_credit.loss import LossInputs
+
+    n, t = batch.completion_ids.shape
+    mask = batch.completion_mask.float()
+    if logps is None:
+        logps = torch.full((n, t), -1.0, requires_grad=True)
+    return LossInputs(
+        batch=batch, rows=torch.arange(n), prompt_ids=torch.zeros(n, 1, dtype=torch.long),
+        prompt_mask=torch.ones(n, 1, dtype=torch.long), completion_ids=batch.completion_ids, mask=mask,
+        advantages=advantages, old_logps=old_logps, ref_logps=ref_logps, loss_type=loss_type, epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high, beta=beta,
+        max_completion_length=max_completion_length or t, num_items=mask.sum().clamp(min=1.0), step=batch.step,
+        logps=logps, entropies=torch.zeros(n, t))  # fmt: skip
+
+
+@dataclass
+class LossResult:
+    """What the host made of a loss plugin: combined `LossWeights` (or None) and ``{name: term}``."""
+
+    weights: Any
+    terms: dict[str, torch.Tensor]
+    inputs: Any
+
+
+def run_loss(plugin: type | str | Any, loss: Any, config: dict[str, Any] | None = None, *,
+             plugins: PluginSet | None = None) -> LossResult:
+    """Run ``loss_weights`` and ``loss_terms`` of this plugin through the host's checks on ``loss``
+    (a `loss_inputs` result). Terms are keyed by their name (the host logs ``trl_credit/<plugin>/<name>``)."""
+    pipeline = Pipeline(plugins or plugin_set(plugin, config))
+    weights = pipeline.loss_weights(loss)
+    terms = {name: value for (_, name), value in pipeline.loss_terms(loss).items()}
+    return LossResult(weights, terms, loss)
 
 
 def run_curriculum(plugin: type | str | Any, stats: PromptStats, config: dict[str, Any] | None = None,
