@@ -130,12 +130,12 @@ def _yaml_snippets() -> list[tuple[str, int, str]]:
 
 
 def _tutorial_plugin():
-    """The tutorial's NegativeOnly, executed from its code block (so the tutorial's code is tested too)."""
+    """The tutorial's MyNegativeOnly, executed from its code block (so the tutorial's code is tested too)."""
     text = (DOCS / "tutorial.md").read_text(encoding="utf-8")
-    code = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "class NegativeOnly" in b)
-    namespace: dict = {"__name__": "trl_credit_negative_only"}
+    code = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "class MyNegativeOnly" in b)
+    namespace: dict = {"__name__": "trl_credit_my_negative_only"}
     exec(compile(code, "docs/tutorial.md", "exec"), namespace)  # noqa: S102 (our own documentation)
-    return namespace["NegativeOnly"]
+    return namespace["MyNegativeOnly"]
 
 
 class _Defined:
@@ -175,7 +175,7 @@ def test_yaml_snippets_validate(page, line, snippet, tmp_path, monkeypatch):
             "    reward.__name__ = name\n"
             "    return reward\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    installed = {**available(), "negative_only": _Defined("negative_only", _tutorial_plugin())}
+    installed = {**available(), "my_negative_only": _Defined("my_negative_only", _tutorial_plugin())}
     monkeypatch.setattr(config_module, "available", lambda include_builtins=True: installed)
     # a fragment runs on the user's own dataset (a hub id: its columns are not checked offline)
     base = {"dataset_name": "my-org/my-dataset", "use_cpu": True, "output_dir": str(tmp_path / "out"),

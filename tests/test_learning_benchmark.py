@@ -224,3 +224,19 @@ def test_gpu_learning_cpu_smoke(tmp_path):
     grid = report["full_grid"]
     assert grid["runs"] > len(labels) and grid["hours_one_at_a_time"] == pytest.approx(
         round(grid["runs"] * grid["seconds_per_run"] / 3600, 2))
+
+
+def test_the_which_plugin_evidence_table_reads_the_intervals():
+    learning = _load("learning")
+    summary = {
+        "gdpo": {"paired_seeds": [0, 1, 2], "baseline": "grpo+steps@working", "delta_final": learning.stats([0.1, 0.12, 0.14]),
+                 "delta_auc": learning.stats([0.0, 0.1, 0.2]), "steps_to_target": [10, 15, None],
+                 "time_ratio": learning.stats([1.0, 1.1, 1.2])},
+        "gtpo": {"paired_seeds": [0, 1, 2], "baseline": "grpo@loss_type=grpo", "delta_final": learning.stats([-0.1, 0.1, 0.0]),
+                 "delta_auc": learning.stats([0.0]), "steps_to_target": [None] * 3, "time_ratio": learning.stats([1.0])},
+    }  # fmt: skip
+    table = learning.evidence(summary, {"e_grpo": "needs an entities column"}, ["e_grpo", "gdpo", "gtpo", "rpr"])
+    rows = {line.split("|")[1].strip().split()[0]: line for line in table.splitlines()[2:]}
+    assert "**better**" in rows["`gdpo`"] and "+0.120 ± 0.050" in rows["`gdpo`"] and "12 (2/3)" in rows["`gdpo`"]
+    assert "no difference shown" in rows["`gtpo`"] and "not reached (0/3)" in rows["`gtpo`"]
+    assert "needs an entities column" in rows["`e_grpo`"] and "not run yet" in rows["`rpr`"]
