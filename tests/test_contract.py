@@ -273,7 +273,8 @@ def test_plugins_pin_a_compatible_host_range(plugin_dir):
     deps = tomllib.loads((plugin_dir / "pyproject.toml").read_text())["project"]["dependencies"]
     host = [d for d in deps if re.match(r"trl-credit\b", d)]
     major, minor = (int(x) for x in trl_credit.__version__.split(".")[:2])
-    assert host == [f"trl-credit>={major}.{minor},<{major}.{minor + 1}"], host
+    # this host's minor series; a plugin that needs a newer patch (an API added in it) pins that patch
+    assert len(host) == 1 and re.fullmatch(rf"trl-credit>={major}\.{minor}(\.\d+)?,<{major}\.{minor + 1}", host[0]), host
 
 
 def test_host_version_matches_pyproject():

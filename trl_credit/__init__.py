@@ -14,7 +14,7 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
 
 from trl_credit.hookspecs import hookimpl
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 _LAZY = {
     "Plugin": "trl_credit.plugin",
