@@ -18,6 +18,7 @@ METHODS = {
     "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
     "_generate_and_score_completions": ["inputs"],
     "_get_train_sampler": ["dataset"],
+    "_tokenize_prompts": ["prompts"],
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                                            "compute_entropy"],
     "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],

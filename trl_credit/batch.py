@@ -5,7 +5,7 @@ CPU or the training device; plugins should create new tensors with ``device=batc
 read-only for hooks: the pipeline stops a plugin that edits one of its tensors (or a cached score) in
 place, because other plugins and TRL's loss read them.
 
-Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`) are lazy: nothing
+Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`, `completion_logps`) are lazy: nothing
 runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
 computed (old log-probs, reference log-probs) is reused.
 """
@@ -33,6 +33,9 @@ class Scorer(Protocol):
         self, prefixes: Sequence[str], continuations: Sequence[str], model: str
     ) -> list[torch.Tensor]:
         """Per-token log-probs of each continuation after its prefix (one 1-D tensor each)."""
+
+    def completion_logps(self, rows: Sequence[int], prompts: Sequence[Any], model: str, width: int) -> torch.Tensor:
+        """``(len(rows), width)`` log-probs of the batch's own completion tokens after other prompts."""
 
 
 @dataclass
@@ -247,6 +250,37 @@ class RolloutBatch:
             lengths = torch.tensor([max(len(t), 1) for t in per_token], dtype=sums.dtype)
             return sums / lengths
         raise ValueError("reduce must be 'sum', 'mean' or 'none'")
+
+    def completion_logps(self, prompts: Sequence[Any], model: str = "policy") -> torch.Tensor:
+        """``(N, T)`` no-grad log-probs of the batch's *own* completion tokens after other prompts (cached).
+
+        The re-scoring pass of on-policy distillation and of off-context corrections: the sampled
+        tokens, unchanged (no re-tokenisation), scored under ``prompts[i]`` instead of the prompt they
+        were sampled from (a privileged or skill-augmented context, a hint removed or added). Prompts
+        are strings or chat message lists, rendered and tokenised by TRL's own prompt tokenisation.
+        Values at padded positions are 0. Costs one no-grad forward pass over the rows not cached.
+
+        :param prompts: ``N`` prompts, one per completion of this batch (or view).
+        :param model: ``"policy"`` or ``"reference"`` (PEFT: adapters disabled).
+        """
+        if len(prompts) != self.num_completions:
+            raise ValueError(f"completion_logps: {len(prompts)} prompts for {self.num_completions} completions")
+        if model not in ("policy", "reference"):
+            raise ValueError("model must be 'policy' or 'reference'")
+        root = self.root
+        rows = list(range(self.num_completions)) if self._rows is None else self._rows.tolist()
+        cache = root.token_cache.setdefault("completion_logps", {})  # type: ignore[arg-type]
+        keys = [(model, row, repr(prompt)) for row, prompt in zip(rows, prompts)]
+        prompt_of = dict(zip(keys, prompts))
+        todo = [key for key in dict.fromkeys(keys) if key not in cache]
+        if todo:
+            if root.scorer is None:
+                raise RuntimeError("completion scoring needs a model; in tests pass `completion_logps_fn=` to "
+                                   "trl_credit.testing.make_batch")
+            scores = root.scorer.completion_logps([row for _, row, _ in todo], [prompt_of[key] for key in todo],
+                                                  model, root.width)
+            cache.update(zip(todo, scores))
+        return torch.stack([cache[key] for key in keys]).to(self.device) if keys else torch.zeros(0, self.width)
 
     # ----------------------------------------------------------------- views
     def select(self, rows: torch.Tensor) -> RolloutBatch:

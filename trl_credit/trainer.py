@@ -417,6 +417,36 @@ class TrainerScorer:
         return [torch.tensor(merged[i], dtype=torch.float32) for i in range(len(prefixes))]
 
 
+    def completion_logps(self, rows, prompts, model, width):
+        """This round's own completion ids under other prompts: each rank scores its local rows, then a sum-reduce."""
+        t, out, acc = self.trainer, self.output, self.trainer.accelerator
+        local_n = out["completion_ids"].shape[0]
+        start = acc.process_index * local_n
+        result = torch.zeros(len(rows), width, device=acc.device)
+        mine = [j for j, row in enumerate(rows) if start <= row < start + local_n]
+        chunk = max(1, t.args.per_device_train_batch_size)
+        pad_id = t._tokenizer.pad_token_id
+        for begin in range(0, len(mine), chunk):
+            idx = mine[begin:begin + chunk]
+            ids = t._tokenize_prompts([prompts[j] for j in idx])[0]  # TRL's own prompt rendering
+            longest = max(len(x) for x in ids)
+            prompt_ids = torch.full((len(idx), longest), pad_id, dtype=torch.long)
+            prompt_mask = torch.zeros((len(idx), longest), dtype=torch.long)
+            for i, x in enumerate(ids):  # left padding, as TRL pads prompts
+                prompt_ids[i, longest - len(x):] = torch.as_tensor(x, dtype=torch.long)
+                prompt_mask[i, longest - len(x):] = 1
+            local = torch.tensor([rows[j] - start for j in idx], device=out["completion_ids"].device)
+            scorer = TrainerScorer(t, {"prompt_ids": prompt_ids.to(acc.device), "prompt_mask": prompt_mask.to(acc.device),
+                                       "completion_ids": out["completion_ids"][local],
+                                       "completion_mask": out["completion_mask"][local]})
+            logps, _ = scorer._forward(use_reference=(model == "reference"))
+            logps = logps.float() * out["completion_mask"][local].to(logps.device)
+            result[torch.tensor(idx, device=result.device), : logps.shape[1]] = logps.to(result.device)
+        if acc.num_processes > 1:  # every row is scored by exactly one rank
+            result = acc.reduce(result, reduction="sum")
+        return list(result.cpu().unbind(0))
+
+
 class _ObserverCallback(TrainerCallback):
     """Broadcasts the observer hooks and the all-dropped skip notice."""
 

@@ -99,6 +99,14 @@ class _StaticScorer:
             raise RuntimeError("the plugin asked for continuation log-probs; pass `continuation_fn=` to make_batch")
         return [torch.as_tensor(fn(p, c, model), dtype=torch.float32) for p, c in zip(prefixes, continuations)]
 
+    def completion_logps(self, rows, prompts, model, width):
+        fn = self.tensors.get("completion_logps_fn")
+        if fn is None:
+            raise RuntimeError("the plugin asked for completion log-probs under other prompts; pass "
+                               "`completion_logps_fn=` to make_batch")
+        return [torch.as_tensor(fn(row, prompt, model), dtype=torch.float32).reshape(width)
+                for row, prompt in zip(rows, prompts)]
+
 
 def make_batch(
     rewards: Sequence | torch.Tensor,
@@ -116,6 +124,7 @@ def make_batch(
     entropies: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
     continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
+    completion_logps_fn: Callable[[int, Any, str], Sequence[float]] | None = None,
     prompt_index: Sequence[int] | None = None,
     step: int = 0,
     pad_token_id: int | None = None,
@@ -227,6 +236,8 @@ def make_batch(
             tensors[kind] = value
     if continuation_fn is not None:
         tensors["continuation_fn"] = continuation_fn
+    if completion_logps_fn is not None:
+        tensors["completion_logps_fn"] = completion_logps_fn
     for name, values in (("prompts", prompts), ("completions", completions), ("prompt_index", prompt_index),
                          *((f"columns[{key!r}]", v) for key, v in (columns or {}).items())):
         if values is not None and len(values) != n:
