@@ -261,3 +261,18 @@ def test_the_testing_kit_runs_loss_plugins_through_the_host_checks():
     Bad.mode = "sapo-bounds"
     with pytest.raises(PluginRuntimeError, match="epsilon_high under loss_type sapo"):
         run_loss(Bad, loss_inputs(batch, torch.zeros(4), loss_type="sapo"))
+
+
+class LogsInLoss(Plugin):
+    @hookimpl
+    def loss_weights(self, loss):
+        self.log_metric(loss.batch, "rows_seen", float(loss.rows.numel()))
+        return None
+
+
+def test_metrics_logged_in_loss_hooks_reach_the_training_logs(make_trainer):
+    trainer = make_trainer(plugins=[LogsInLoss], reward_funcs=[answer_len], max_steps=2,
+                           gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["trl_credit/logs_in_loss/rows_seen"] for h in logged] == [4.0, 4.0]  # per micro-batch, averaged

@@ -5,7 +5,8 @@ testing kit, `trl_credit.testing`). Plugins in this repository import nothing el
 a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins`` stays fast.
 
 - writing a plugin: `hookimpl`, `Plugin`, `Refill`, `RunInfo`, `ConfigError`
-- what hooks see: `RolloutBatch`, `PromptStats`, `LossInputs` (loss hooks; they return `LossWeights`)
+- what hooks see: `RolloutBatch`, `PromptStats`, `LossInputs` (loss hooks; they return `LossWeights`);
+  what `augment_rollouts` returns: `Augmentation`
 - shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
@@ -24,8 +25,10 @@ _LAZY = {
     "ConfigError": "trl_credit.config",
     "RolloutBatch": "trl_credit.batch",
     "PromptStats": "trl_credit.batch",
+    "Augmentation": "trl_credit.augment",
     "LossInputs": "trl_credit.loss",
     "LossWeights": "trl_credit.loss",
+    "CLIPPED_LOSSES": "trl_credit.loss",
     "StepConfig": "trl_credit.steps",
     "split_steps": "trl_credit.steps",
     "token_steps": "trl_credit.steps",

@@ -14,7 +14,7 @@ Order: the host calls the plugins of one hook family in the order the user liste
 own; the host slices out the local rows afterwards.
 
 Per step the host runs, for each generation round:
-``shape_rewards`` (chained) -> ``filter_rollouts`` (AND) -> [refill rounds] ->
+[``augment_rollouts`` -> extra completions generated and scored] -> ``shape_rewards`` (chained) -> ``filter_rollouts`` (AND) -> [refill rounds] ->
 ``compute_advantages`` (exactly one) -> ``transform_advantages`` (chained) -> ``kl_coefficient``
 (at most one) -> ``on_batch_end``; then, for each micro-batch inside TRL's ``compute_loss``:
 ``loss_weights`` (multiplied; clip bounds from at most one plugin) -> TRL's loss -> ``loss_terms`` (added).
@@ -29,12 +29,30 @@ import pluggy
 if TYPE_CHECKING:  # heavy imports only for type checkers
     import torch
 
+    from trl_credit.augment import Augmentation
     from trl_credit.batch import PromptStats, RolloutBatch
     from trl_credit.loss import LossInputs, LossWeights
 
 PROJECT = "trl_credit"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def augment_rollouts(batch: RolloutBatch) -> list[Augmentation] | None:
+    """Ask for more completions of chosen groups, from a changed prompt.  Requests of all plugins are joined.
+
+    :param batch: the round as TRL generated and scored it (rewards not shaped yet, nothing filtered).
+    :return: a list of `trl_credit.Augmentation` (``group``, ``prompt``, ``context``, ``replace``) or
+        ``None``. For each request the host generates ``G`` completions from ``prompt`` through TRL's
+        own generation and scores them with the run's reward functions; the new group joins the
+        round (or replaces ``group``), marked in the batch columns ``trl_credit_augmented`` (the
+        context) and ``trl_credit_source_prompt`` (the group's own prompt), and every later hook and
+        the loss see it like any group. At most as many augmented groups as the round has groups;
+        with several processes the requests are cut to a multiple of their number. Logged:
+        ``trl_credit/augmented_groups``, ``trl_credit/augmented_tokens``, ``trl_credit/augmented_ratio``.
+    Called once per generation round (refill rounds included), on every rank, before ``shape_rewards``.
+    """
 
 
 @hookspec
@@ -196,6 +214,7 @@ def on_step_end(trainer: Any, step: int, logs: dict[str, float]) -> None:
 
 #: Every hook a plugin may implement, in pipeline order.
 HOOKS = (
+    "augment_rollouts",
     "shape_rewards",
     "filter_rollouts",
     "compute_advantages",

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trl_credit.augment import Augmentation
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.builtin import GRPOAdvantage
 from trl_credit.config import EnabledPlugin, PluginSet
@@ -94,6 +95,33 @@ class Pipeline:
             self._fail(plugin, hook, step, f"{bad} NaN/inf value(s)")
 
     # ---------------------------------------------------------------- families
+    def augment_rollouts(self, batch: RolloutBatch) -> list[tuple[str, Augmentation]]:
+        """``[(plugin key, request)]`` of every ``augment_rollouts`` plugin, checked, in config order."""
+        requests: list[tuple[str, Augmentation]] = []
+        for plugin in self.plugins.with_hook("augment_rollouts"):
+            out = self._call(plugin, "augment_rollouts", batch.step, batch=batch)
+            if out is None:
+                continue
+            if not isinstance(out, (list, tuple)) or not all(isinstance(r, Augmentation) for r in out):
+                self._fail(plugin, "augment_rollouts", batch.step, f"a {type(out).__name__} (expected a list of "
+                           "trl_credit.Augmentation or None)")
+            for request in out:
+                if not 0 <= int(request.group) < batch.num_groups:
+                    self._fail(plugin, "augment_rollouts", batch.step, f"group {request.group}; the round has groups "
+                               f"0..{batch.num_groups - 1}")
+                if not isinstance(request.prompt, (str, list)) or not request.prompt:
+                    self._fail(plugin, "augment_rollouts", batch.step, f"a prompt of type {type(request.prompt).__name__}"
+                               " (expected a non-empty string or list of chat messages)")
+                if not isinstance(request.context, str) or not request.context:
+                    self._fail(plugin, "augment_rollouts", batch.step, "an empty context (say what was changed)")
+                requests.append((plugin.key, request))
+        replaced = [r.group for _, r in requests if r.replace]
+        if len(replaced) != len(set(replaced)):
+            names = ", ".join(p.key for p in self.plugins.with_hook("augment_rollouts"))
+            raise PluginRuntimeError(f"augment_rollouts ({names}) asked to replace the same group twice at step "
+                                     f"{batch.step}")
+        return requests
+
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """Apply the shapers in order, updating ``batch.rewards/reward_names/reward_weights``."""
         for plugin in self.plugins.with_hook("shape_rewards"):

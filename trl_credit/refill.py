@@ -18,7 +18,7 @@ from trl.trainer.utils import RepeatSampler
 from trl_credit.batch import RolloutBatch
 from trl_credit.distributed import gather_padded, pad_to
 
-__all__ = ["RIGHT_PADDED", "RefillStream", "assemble"]
+__all__ = ["RIGHT_PADDED", "RefillStream", "assemble", "refill_choice"]
 
 RIGHT_PADDED = {  # per-row outputs of _generate_and_score_completions and their padding value
     "completion_mask": 0,
@@ -84,9 +84,23 @@ class RefillStream:
         self.batches_drawn = batches
 
 
-def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], quota: int
+def refill_choice(batches: list[RolloutBatch], quota: int) -> list[tuple[int, int]]:
+    """``(round, group)`` of the first ``quota`` kept groups over all rounds (topped up with dropped ones)."""
+    group_kept = [b.grouped(b.kept).all(dim=1) for b in batches]
+    chosen = [(r, gi) for r, k in enumerate(group_kept) for gi in k.nonzero().squeeze(1).tolist()][:quota]
+    if len(chosen) < quota:  # not enough kept groups: fill with dropped ones (masked out)
+        dropped = [(r, gi) for r, k in enumerate(group_kept) for gi in (~k).nonzero().squeeze(1).tolist()]
+        chosen += dropped[: quota - len(chosen)]
+    return sorted(chosen)
+
+
+def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], chosen: list[tuple[int, int]]
              ) -> tuple[dict[str, Any], RolloutBatch]:
-    """The first ``quota`` kept groups over all rounds (topped up with dropped ones), re-sliced per rank."""
+    """The ``chosen`` ``(round, group)`` groups of ``rounds`` as one output and batch, re-sliced per rank.
+
+    Refill chooses with `refill_choice`; extra generation (`trl_credit.augment`) keeps a round's groups
+    and adds (or swaps in) its augmented ones. ``len(chosen)`` must be a multiple of the process count.
+    """
     acc = trainer.accelerator
     pad_id = trainer._tokenizer.pad_token_id
     g = trainer.num_generations
@@ -102,12 +116,6 @@ def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], qu
     gathered = [{key: gather_padded(acc, output[key], pad_value(key), left=key.startswith("prompt"))
                  for key in per_row if output.get(key) is not None} for output, _ in rounds]
     batches = [b for _, b in rounds]
-    group_kept = [b.grouped(b.kept).all(dim=1) for b in batches]
-    chosen = [(r, gi) for r, k in enumerate(group_kept) for gi in k.nonzero().squeeze(1).tolist()][:quota]
-    if len(chosen) < quota:  # not enough kept groups: fill with dropped ones (masked out)
-        dropped = [(r, gi) for r, k in enumerate(group_kept) for gi in (~k).nonzero().squeeze(1).tolist()]
-        chosen += dropped[: quota - len(chosen)]
-    chosen.sort()
     merged: dict[str, torch.Tensor] = {}
     for key in gathered[0]:
         left = key.startswith("prompt")
@@ -117,7 +125,7 @@ def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], qu
     rows_by_round = [[gi * g + j for (r2, gi) in chosen if r2 == r for j in range(g)] for r in range(len(rounds))]
     views = [b.select(torch.tensor(rows, dtype=torch.long, device=b.device))
              for b, rows in zip(batches, rows_by_round) if rows]
-    local_n = rounds[0][0]["completion_ids"].shape[0]
+    local_n = len(chosen) * g // acc.num_processes
     rank = acc.process_index
     local = slice(rank * local_n, (rank + 1) * local_n)
     output = dict(rounds[0][0])

@@ -13,6 +13,7 @@ every seam returns TRL's result untouched.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from typing import Any
@@ -24,13 +25,14 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from trl_credit.augment import AUGMENTED, SOURCE_PROMPT
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.config import PluginSet, build_plugins, check_reward_columns, check_run, reward_names
 from trl_credit.distributed import gather_padded
 from trl_credit.loss import LossInputs
 from trl_credit.pipeline import Pipeline, kept_advantages
-from trl_credit.refill import RefillStream, assemble
+from trl_credit.refill import RefillStream, assemble, refill_choice
 from trl_credit.sampler import CurriculumSampler
 
 PROMPT_INDEX = "trl_credit_prompt_index"
@@ -97,18 +99,21 @@ class CreditGRPOTrainer(GRPOTrainer):
                 inputs = self.refill_stream.next()
             output = super()._generate_and_score_completions(inputs)
             batch = self._rollout_batch(output)
+            if self.pipeline.has("augment_rollouts"):
+                output, batch = self._augment(output, batch)
             self.pipeline.shape_rewards(batch)
             self.pipeline.filter_rollouts(batch)
-            self.prompt_stats.update(batch.prompt_index, batch.total_reward(), batch.step)  # every rollout counts
+            self.prompt_stats.update(_plain_rows(batch), batch.total_reward(), batch.step)  # every plain rollout
             rounds.append((output, batch))
-            if round_index:
-                extra_tokens += int(batch.completion_mask.sum())
+            if round_index:  # refill's extra tokens (augmented ones are metered apart)
+                plain = ~_augmented(batch).to(batch.completion_mask.device)
+                extra_tokens += int(batch.completion_mask[plain].sum())
             quota = quota or batch.num_groups
             kept_groups += int(batch.grouped(batch.kept).all(dim=1).sum())
             if kept_groups >= quota or not self.pipeline.max_refill_rounds:
                 break
         if len(rounds) > 1:
-            output, batch = assemble(self, rounds, quota)
+            output, batch = assemble(self, rounds, refill_choice([b for _, b in rounds], quota))
         return self._finish(output, batch, rounds, extra_tokens, budget_hit)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -136,6 +141,7 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _plugin_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """``loss_weights`` -> TRL's loss (weights as its ``tool_mask``, clip bounds as its epsilons) -> ``loss_terms``."""
         view = self._loss_inputs(inputs)
+        logged = {name: len(values) for name, values in view.batch.metrics.items()}
         weights = self.pipeline.loss_weights(view) if self.pipeline.has("loss_weights") else None
         run_inputs = {k: v for k, v in inputs.items() if k != "trl_credit_row"}
         epsilons = (self.epsilon_low, self.epsilon_high)
@@ -168,6 +174,12 @@ class CreditGRPOTrainer(GRPOTrainer):
             for (key, name), value in self.pipeline.loss_terms(view).items():
                 loss = loss + value / scale
                 self._metrics[mode][f"trl_credit/{key}/{name}"].append(float(value.detach()))
+        mode = "train" if self.model.training else "eval"
+        for name, values in view.batch.metrics.items():  # what the loss hooks logged (the batch was logged before)
+            new = values[logged.get(name, 0):]
+            if new:
+                self._metrics[mode][f"trl_credit/{name}"].append(sum(new) / len(new))
+                del values[logged.get(name, 0):]
         return loss
 
     def _loss_inputs(self, inputs) -> LossInputs:
@@ -277,6 +289,44 @@ class CreditGRPOTrainer(GRPOTrainer):
             scorer=TrainerScorer(self, output),
         )
         return batch
+
+    def _augment(self, output: dict[str, Any], batch: RolloutBatch) -> tuple[dict[str, Any], RolloutBatch]:
+        """The round plus the groups ``augment_rollouts`` plugins asked for, generated and scored by TRL."""
+        requests = self.pipeline.augment_rollouts(batch)
+        n, g = batch.num_completions, self.num_generations
+        for column in (AUGMENTED, SOURCE_PROMPT):
+            batch.columns.setdefault(column, [None] * n)
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        usable = min(len(requests), batch.num_groups)
+        usable -= usable % world  # every process generates an equal share
+        metrics = self._metrics["train"]
+        if len(requests) > usable:
+            metrics["trl_credit/augment_requests_dropped"].append(float(len(requests) - usable))
+        requests = requests[:usable]
+        if not requests:
+            return output, batch
+        share = usable // world
+        rows = []
+        for _, request in requests[rank * share:(rank + 1) * share]:
+            first = request.group * g
+            if any(key in ("image", "images") for key in batch.columns):
+                raise NotImplementedError("augment_rollouts does not support image inputs yet")
+            row = {key: values[first] for key, values in batch.columns.items()}
+            row.update({"prompt": request.prompt, PROMPT_INDEX: int(batch.prompt_index[first]),
+                        AUGMENTED: request.context, SOURCE_PROMPT: batch.prompts[first]})
+            rows += [copy.deepcopy(row) for _ in range(g)]
+        extra = super()._generate_and_score_completions(rows)  # TRL's generation and reward functions
+        augmented = self._rollout_batch(extra)
+        replaced = {request.group for _, request in requests if request.replace}
+        chosen = [(0, gi) for gi in range(batch.num_groups) if gi not in replaced]
+        chosen += [(1, j) for j in range(len(requests))]
+        tokens = float(augmented.completion_mask.sum())
+        metrics["trl_credit/augmented_groups"].append(float(len(requests)))
+        metrics["trl_credit/augmented_tokens"].append(tokens)
+        metrics["trl_credit/augmented_ratio"].append(tokens / max(float(batch.completion_mask.sum()), 1.0))
+        for key in dict.fromkeys(k for k, _ in requests):
+            metrics[f"trl_credit/{key}/augmented_groups"].append(float(sum(k == key for k, _ in requests)))
+        return assemble(self, [(output, batch), (extra, augmented)], chosen)
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list, extra_tokens: int,
                 budget_hit: bool) -> dict[str, Any]:
@@ -461,6 +511,17 @@ class _ObserverCallback(TrainerCallback):
         logs = {k: sum(v) / len(v) for k, v in window.items() if v}
         self.trainer.pipeline.notify("on_step_end", state.global_step, trainer=self.trainer,
                                         step=state.global_step, logs=logs)
+
+
+def _augmented(batch: RolloutBatch) -> torch.Tensor:
+    """``(N,)`` bool: the rows an ``augment_rollouts`` plugin added."""
+    marks = batch.columns.get(AUGMENTED) or [None] * batch.num_completions
+    return torch.tensor([m is not None for m in marks], dtype=torch.bool, device=batch.prompt_index.device)
+
+
+def _plain_rows(batch: RolloutBatch) -> torch.Tensor:
+    """``batch.prompt_index`` with augmented rows set to -1 (prompt statistics count plain rollouts only)."""
+    return torch.where(_augmented(batch), torch.full_like(batch.prompt_index, -1), batch.prompt_index)
 
 
 def _default_args(kwargs: dict[str, Any]) -> Any:

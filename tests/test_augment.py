@@ -1,0 +1,107 @@
+"""``augment_rollouts``: more completions for chosen groups from a changed prompt, through TRL's generation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trl_credit import Augmentation, Plugin, hookimpl
+from trl_credit.augment import AUGMENTED, SOURCE_PROMPT
+from trl_credit.pipeline import PluginRuntimeError
+
+HINT = "Hint: add the two numbers."
+
+
+def char_count(completions, **kwargs):
+    """A deterministic reward of the completion text (so the augmented rows' rewards can be recomputed)."""
+    text = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(len(t)) for t in text]
+
+
+class HintGroupZero(Plugin):
+    replace = False
+    seen: list = []
+
+    @hookimpl
+    def augment_rollouts(self, batch):
+        prompt = [{"role": "system", "content": HINT}, *batch.prompts[0]]
+        return [Augmentation(0, prompt, context=HINT, replace=HintGroupZero.replace)]
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        HintGroupZero.seen.append((batch, advantages))
+
+
+def _round(make_trainer, arithmetic, plugin=HintGroupZero, **overrides):
+    HintGroupZero.seen.clear()
+    trainer = make_trainer(plugins=[plugin], reward_funcs=[char_count], **overrides)
+    trainer.model.train()
+    torch.manual_seed(0)
+    rows = trainer.train_dataset  # with the prompt index column the host adds
+    out = trainer._generate_and_score_completions([copy.deepcopy(rows[i // 4]) for i in range(8)])
+    return trainer, out
+
+
+def test_an_augmented_group_is_generated_scored_and_added(make_trainer, arithmetic):
+    trainer, out = _round(make_trainer, arithmetic)
+    batch, advantages = HintGroupZero.seen[-1]
+    assert out["completion_ids"].shape[0] == 12 and batch.num_groups == 3 and advantages.shape == (12,)
+    marks = batch.column(AUGMENTED)
+    assert marks[:8] == [None] * 8 and marks[8:] == [HINT] * 4
+    assert batch.column(SOURCE_PROMPT)[8:] == [batch.prompts[0]] * 4 and batch.column(SOURCE_PROMPT)[0] is None
+    assert all(p[0]["content"] == HINT for p in batch.prompts[8:])
+    # scored with the run's reward function, by TRL
+    assert batch.rewards[8:, 0].tolist() == char_count(batch.completions[8:])
+    # the loss sees the hinted prompt the completions were generated from
+    tok = trainer.processing_class
+    assert all(HINT in tok.decode(ids[mask.bool()]) for ids, mask in zip(out["prompt_ids"][8:], out["prompt_mask"][8:]))
+    assert not any(HINT in tok.decode(ids[mask.bool()]) for ids, mask in zip(out["prompt_ids"][:8], out["prompt_mask"][:8]))
+    metrics = trainer._metrics["train"]
+    tokens = float(batch.completion_mask[8:].sum())
+    assert metrics["trl_credit/augmented_groups"] == [1.0] and metrics["trl_credit/augmented_tokens"] == [tokens]
+    assert metrics["trl_credit/augmented_ratio"] == [pytest.approx(tokens / float(batch.completion_mask[:8].sum()))]
+    assert metrics["trl_credit/hint_group_zero/augmented_groups"] == [1.0]
+    # curricula count plain rollouts only
+    assert float(trainer.prompt_stats.seen.sum()) == 8.0
+
+
+def test_replace_swaps_the_group_for_its_augmented_one(make_trainer, arithmetic):
+    HintGroupZero.replace = True
+    try:
+        trainer, out = _round(make_trainer, arithmetic)
+    finally:
+        HintGroupZero.replace = False
+    batch, _ = HintGroupZero.seen[-1]
+    assert out["completion_ids"].shape[0] == 8 and batch.num_groups == 2
+    assert batch.column(AUGMENTED) == [None] * 4 + [HINT] * 4  # group 1 kept, group 0's place taken
+
+
+def test_training_with_augmentation_runs_and_meters(make_trainer):
+    trainer = make_trainer(plugins=[HintGroupZero], reward_funcs=[char_count], max_steps=2)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(h["trl_credit/augmented_groups"] == 1.0 for h in logged)
+    assert all(h["trl_credit/augmented_ratio"] > 0 for h in logged)
+
+
+class BadGroup(Plugin):
+    @hookimpl
+    def augment_rollouts(self, batch):
+        return [Augmentation(batch.num_groups, "x")]
+
+
+class Twice(Plugin):
+    @hookimpl
+    def augment_rollouts(self, batch):
+        return [Augmentation(1, "x", replace=True), Augmentation(1, "y", replace=True)]
+
+
+@pytest.mark.parametrize(("plugin", "message"), [
+    (BadGroup, r"plugin 'bad_group' returned group 2; the round has groups 0..1 from augment_rollouts at step 0"),
+    (Twice, r"augment_rollouts \(twice\) asked to replace the same group twice at step 0"),
+])  # fmt: skip
+def test_bad_requests_are_named(make_trainer, arithmetic, plugin, message):
+    with pytest.raises(PluginRuntimeError, match=message):
+        _round(make_trainer, arithmetic, plugin)
