@@ -53,18 +53,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import ConfigError, LossWeights, Plugin, RunInfo, hookimpl
+from trl_credit import CLIPPED_LOSSES, ConfigError, LossWeights, Plugin, RunInfo, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import LossInputs, RolloutBatch
 
-__all__ = ["ETR", "CLIPPED_LOSSES", "etr_bounds", "group_variance", "row_advantages"]
-
-#: Loss types whose surrogate has clip bounds (TRL 1.16; the host's `trl_credit.loss.CLIPPED_LOSSES`, which
-#: the public API does not export).
-CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo")
+__all__ = ["ETR", "etr_bounds", "group_variance", "row_advantages"]
 
 
 def row_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,7 +98,9 @@ def etr_bounds(a: torch.Tensor, m: torch.Tensor, u: torch.Tensor | None, eps_low
         low = torch.where(a < 0, low_scaled, torch.full_like(f, eps_low))
     else:
         low, high = low_scaled, high_scaled
-    return low.clamp(min=eps_min, max=eps_max), high.clamp(min=eps_min, max=eps_max)
+    if eps_min is not None or eps_max is not None:
+        low, high = low.clamp(min=eps_min, max=eps_max), high.clamp(min=eps_min, max=eps_max)
+    return low, high
 
 
 class ETR(Plugin):
