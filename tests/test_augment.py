@@ -105,3 +105,28 @@ class Twice(Plugin):
 def test_bad_requests_are_named(make_trainer, arithmetic, plugin, message):
     with pytest.raises(PluginRuntimeError, match=message):
         _round(make_trainer, arithmetic, plugin)
+
+
+class HintOnSource(HintGroupZero):
+    @hookimpl
+    def augment_rollouts(self, batch):
+        prompt = [{"role": "system", "content": HINT}, *batch.prompts[0]]
+        return [Augmentation(0, prompt, context=HINT, train_on_source=True)]
+
+
+def test_train_on_source_scores_after_the_own_prompt_against_the_hinted_behaviour(make_trainer, arithmetic):
+    """Guide's correction: the loss sees the group's own prompt, and the old log-probs are the hinted ones."""
+    trainer, out = _round(make_trainer, arithmetic, HintOnSource)
+    batch, _ = HintGroupZero.seen[-1]
+    tok = trainer.processing_class
+    decoded = [tok.decode(ids[mask.bool()]) for ids, mask in zip(out["prompt_ids"], out["prompt_mask"])]
+    assert not any(HINT in text for text in decoded)  # every row trains after its plain prompt
+    assert decoded[8] == decoded[0]  # the augmented group's source is group 0
+    assert out["old_per_token_logps"] is not None
+    hinted = batch.completion_logps(batch.prompts)  # the prompts they were sampled from (hinted for rows 8..11)
+    sources = batch.column(SOURCE_PROMPT)
+    plain = batch.completion_logps([p if s is None else s for p, s in zip(batch.prompts, sources)])
+    t = out["completion_ids"].shape[1]
+    mask = out["completion_mask"].float()
+    torch.testing.assert_close(out["old_per_token_logps"][8:] * mask[8:], hinted[8:, :t], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(hinted[8:], plain[8:])  # the ratio pi(y|x) / pi_old(y|x + hint) is not 1

@@ -34,9 +34,15 @@ class Augmentation:
     messages), e.g. the group's prompt plus a hint. ``context``: what was changed (stored in the
     `AUGMENTED` column; never empty). ``replace``: the new group takes the place of ``group`` (its
     completions leave the batch); otherwise it is added as a group of its own.
+    ``train_on_source``: the loss trains the new completions after the group's *own* prompt, with the
+    prompt they were sampled from as the behaviour policy: TRL's importance ratio becomes
+    ``pi_theta(y_t | x, y_<t) / pi_old(y_t | x + hint, y_<t)`` (Guide's off-context correction). The
+    host then stores old log-probs for the whole batch (one no-grad pass where TRL skipped them) and,
+    with a KL term, the reference log-probs of those rows after the group's own prompt.
     """
 
     group: int
     prompt: Any
     context: str = "augmented"
     replace: bool = False
+    train_on_source: bool = False

@@ -113,6 +113,10 @@ class CreditGRPOTrainer(GRPOTrainer):
             if kept_groups >= quota or not self.pipeline.max_refill_rounds:
                 break
         if len(rounds) > 1:
+            if any(out.get("old_per_token_logps") is not None for out, _ in rounds):  # a round trained on source
+                for out, _ in rounds:
+                    if out.get("old_per_token_logps") is None:
+                        out["old_per_token_logps"] = TrainerScorer(self, out)._forward(use_reference=False)[0].detach()
             output, batch = assemble(self, rounds, refill_choice([b for _, b in rounds], quota))
         return self._finish(output, batch, rounds, extra_tokens, budget_hit)
 
@@ -317,6 +321,10 @@ class CreditGRPOTrainer(GRPOTrainer):
             rows += [copy.deepcopy(row) for _ in range(g)]
         extra = super()._generate_and_score_completions(rows)  # TRL's generation and reward functions
         augmented = self._rollout_batch(extra)
+        if any(request.train_on_source for _, request in requests):
+            mine = [request for _, request in requests[rank * share:(rank + 1) * share]]
+            self._train_on_source(output, extra, [batch.prompts[r.group * g] if r.train_on_source else None
+                                                  for r in mine for _ in range(g)])
         replaced = {request.group for _, request in requests if request.replace}
         chosen = [(0, gi) for gi in range(batch.num_groups) if gi not in replaced]
         chosen += [(1, j) for j in range(len(requests))]
@@ -327,6 +335,26 @@ class CreditGRPOTrainer(GRPOTrainer):
         for key in dict.fromkeys(k for k, _ in requests):
             metrics[f"trl_credit/{key}/augmented_groups"].append(float(sum(k == key for k, _ in requests)))
         return assemble(self, [(output, batch), (extra, augmented)], chosen)
+
+    def _train_on_source(self, output: dict[str, Any], extra: dict[str, Any], sources: list) -> None:
+        """Augmented rows with a source prompt: old log-probs = what sampled them, prompt ids = the source prompt."""
+        for out in (output, extra):  # the behaviour log-probs, for every row (TRL skips them on-policy)
+            if out.get("old_per_token_logps") is None:
+                out["old_per_token_logps"] = TrainerScorer(self, out)._forward(use_reference=False)[0].detach()
+        device = extra["prompt_ids"].device
+        own = [ids[mask.bool()].tolist() for ids, mask in zip(extra["prompt_ids"], extra["prompt_mask"])]
+        swapped = [i for i, source in enumerate(sources) if source is not None]
+        for i, ids in zip(swapped, self._tokenize_prompts([sources[i] for i in swapped])[0]):
+            own[i] = list(ids)
+        width = max(len(ids) for ids in own)
+        prompt_ids = torch.full((len(own), width), self._tokenizer.pad_token_id, dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((len(own), width), dtype=torch.long, device=device)
+        for i, ids in enumerate(own):  # left padding, as TRL pads prompts
+            prompt_ids[i, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long, device=device)
+            prompt_mask[i, width - len(ids):] = 1
+        extra["prompt_ids"], extra["prompt_mask"] = prompt_ids, prompt_mask
+        if extra.get("ref_per_token_logps") is not None:  # the KL term, after the source prompt too
+            extra["ref_per_token_logps"] = TrainerScorer(self, extra)._forward(use_reference=True)[0].detach()
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list, extra_tokens: int,
                 budget_hit: bool) -> dict[str, Any]:
