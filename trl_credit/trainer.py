@@ -334,7 +334,10 @@ class CreditGRPOTrainer(GRPOTrainer):
         metrics["trl_credit/augmented_ratio"].append(tokens / max(float(batch.completion_mask.sum()), 1.0))
         for key in dict.fromkeys(k for k, _ in requests):
             metrics[f"trl_credit/{key}/augmented_groups"].append(float(sum(k == key for k, _ in requests)))
-        return assemble(self, [(output, batch), (extra, augmented)], chosen)
+        output, combined = assemble(self, [(output, batch), (extra, augmented)], chosen)
+        for name, values in batch.metrics.items():  # what the augment_rollouts plugins logged on the round
+            combined.metrics[name].extend(values)
+        return output, combined
 
     def _train_on_source(self, output: dict[str, Any], extra: dict[str, Any], sources: list) -> None:
         """Augmented rows with a source prompt: old log-probs = what sampled them, prompt ids = the source prompt."""
