@@ -7,6 +7,8 @@ Mode ``curriculum``: trains 4 steps with a curriculum whose weights depend on th
 statistics, and saves what every rank drew and its final statistics.
 Modes ``resume-full`` / ``resume-part`` / ``resume``: 4 steps with refill and a checkpoint every 2;
 ``resume-part`` stops after the step-2 checkpoint, ``resume`` continues from it.
+Mode ``augment``: 2 steps where an ``augment_rollouts`` plugin adds two hinted groups and a loss plugin
+checks, in every micro-batch, that its ``rows`` point at its own completions in the gathered batch.
 """
 
 import sys
@@ -16,7 +18,7 @@ import torch
 from trl import GRPOConfig
 
 import plugins_for_tests as fx
-from trl_credit import hookimpl
+from trl_credit import Augmentation, hookimpl
 from trl_credit.app.data import make_arithmetic
 from trl_credit.testing.tiny import tiny_model_path
 from trl_credit.trainer import CreditGRPOTrainer
@@ -25,6 +27,7 @@ torch.set_num_threads(1)
 out_dir = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else "pipeline"
 records = []
+loss_checks = []
 
 
 def reward(completions, trl_credit_prompt_index, **kwargs):
@@ -39,7 +42,27 @@ class Record:
     def on_batch_end(self, batch, advantages):
         records.append({"completion_ids": batch.completion_ids.cpu(), "completion_mask": batch.completion_mask.cpu(),
                         "rewards": batch.rewards.cpu(), "kept": batch.kept.cpu(), "advantages": advantages.cpu(),
-                        "prompts": batch.prompts, "prompt_index": batch.prompt_index.cpu()})
+                        "prompts": batch.prompts, "prompt_index": batch.prompt_index.cpu(),
+                        "augmented": list(batch.columns.get("trl_credit_augmented") or [])})
+
+
+class HintTwoGroups:
+    """Two more groups per round: groups 0 and 1 again, with a hint in the prompt."""
+
+    @hookimpl
+    def augment_rollouts(self, batch):
+        return [Augmentation(g, [{"role": "system", "content": "Hint: add."}, *batch.prompts[g * 4]], context="hint")
+                for g in (0, 1)]
+
+
+class RowsCheck:
+    """Every micro-batch: the rows it was given are its own completions in the gathered batch."""
+
+    @hookimpl
+    def loss_terms(self, loss):
+        width = loss.completion_ids.shape[1]
+        loss_checks.append(bool(torch.equal(loss.batch.completion_ids[loss.rows][:, :width], loss.completion_ids)))
+        return {"zero": loss.logps.sum() * 0.0}
 
 
 class CreditRecorder(CreditGRPOTrainer):
@@ -64,8 +87,8 @@ steps = 4 if mode == "curriculum" or resuming else 2
 args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
                   max_steps=steps, logging_steps=1, report_to="none", save_strategy="steps" if resuming else "no",
                   save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
-plugins = ([MidPassRate, Record] if mode == "curriculum" else
-           [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
+plugins = ([MidPassRate, Record] if mode == "curriculum" else [HintTwoGroups, RowsCheck, Record] if mode == "augment"
+           else [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
 trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
                          train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
 if mode == "resume-part":
@@ -79,4 +102,5 @@ if mode == "resume-part":
 trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-2" if mode == "resume" else None)
 rank = trainer.accelerator.process_index
 torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode, "log_history": trainer.state.log_history,
-            "prompt_stats": trainer.prompt_stats.state_dict()}, f"{out_dir}/{mode}-rank{rank}.pt")
+            "prompt_stats": trainer.prompt_stats.state_dict(), "loss_checks": loss_checks},
+           f"{out_dir}/{mode}-rank{rank}.pt")

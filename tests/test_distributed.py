@@ -89,3 +89,21 @@ def test_resume_with_refill_is_exact_on_two_processes(tmp_path, tiny_model):
                                        abs=1e-7)
     rounds = [h["trl_credit/generation_rounds"] for h in full[0]["log_history"] if "trl_credit/generation_rounds" in h]
     assert len(rounds) == 4 and max(rounds) > 1, rounds
+
+
+@pytest.mark.distributed
+def test_augmentation_and_loss_rows_on_two_processes(tmp_path, tiny_model):
+    """Extra generation splits its requests over the ranks; every rank sees the same augmented batch, and
+    each micro-batch's ``rows`` point at that rank's own completions."""
+    ranks = launch_two(tmp_path, "augment", 29538)
+    assert [r["world"] for r in ranks] == [2, 2]
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert a["completion_ids"].shape[0] == 20  # 3 groups + 2 hinted ones, 10 rows per rank
+        assert a["augmented"] == b["augmented"] == [None] * 12 + ["hint"] * 8
+        assert torch.equal(a["completion_ids"], b["completion_ids"]) and torch.equal(a["rewards"], b["rewards"])
+        assert all(p[0]["content"] == "Hint: add." for p in a["prompts"][12:])
+    for rank in ranks:
+        assert len(rank["loss_checks"]) == 2 and all(rank["loss_checks"])
+        logged = [h for h in rank["log_history"] if "loss" in h]
+        assert [h["trl_credit/augmented_groups"] for h in logged] == [2.0, 2.0]
+    assert ranks[0]["prompt_stats"]["seen"].sum() == 2 * 12  # hinted rollouts are not counted
