@@ -26,6 +26,7 @@ _LAZY = {
     "RolloutBatch": "trl_credit.batch",
     "PromptStats": "trl_credit.batch",
     "Augmentation": "trl_credit.augment",
+    "Turns": "trl_credit.turns",
     "LossInputs": "trl_credit.loss",
     "LossWeights": "trl_credit.loss",
     "CLIPPED_LOSSES": "trl_credit.loss",

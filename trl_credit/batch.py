@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import torch
 
 if TYPE_CHECKING:
-    pass
+    from trl_credit.turns import Turns
 
 
 class Scorer(Protocol):
@@ -54,6 +54,8 @@ class RolloutBatch:
     - ``prompt_index`` ``(N,)`` dataset row of each completion's prompt (-1 when unknown).
     - ``step``: the global optimiser step; ``args``: the ``GRPOConfig``; ``tokenizer``.
     - ``kept`` ``(N,)`` bool: the filters' verdict (all True before filtering).
+    - ``tool_mask`` ``(N, T)`` 0/1 or None: TRL's mask of multi-turn rollouts (1 on the model's tokens,
+      0 on tool or environment replies); `turns` reads it.
     """
 
     prompts: list
@@ -70,6 +72,7 @@ class RolloutBatch:
     args: Any = None
     tokenizer: Any = None
     kept: torch.Tensor | None = None
+    tool_mask: torch.Tensor | None = None
     scorer: Scorer | None = None
     token_cache: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -132,6 +135,14 @@ class RolloutBatch:
         """``args.max_completion_length`` when known, else the padded width ``T``."""
         value = getattr(self.args, "max_completion_length", None)
         return int(value) if value is not None else self.width
+
+    def turns(self) -> Turns:
+        """The turns of each completion (`trl_credit.Turns`): the model's token spans, the tools' or
+        environment's replies between them, counts and lengths; `Turns.broadcast` spreads per-turn
+        values over the tokens of their turn. Single-turn batches have one turn per completion."""
+        from trl_credit.turns import turns_of
+
+        return turns_of(self.completion_mask, self.tool_mask)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View a per-completion tensor ``(N, ...)`` as ``(N // G, G, ...)``."""
@@ -303,6 +314,7 @@ class RolloutBatch:
             args=self.args,
             tokenizer=self.tokenizer,
             kept=self.kept[rows],
+            tool_mask=self.tool_mask[rows] if self.tool_mask is not None else None,
         )
         view._rows = base_rows
         view._root = self.root
@@ -336,6 +348,7 @@ class RolloutBatch:
             args=first.args,
             tokenizer=first.tokenizer,
             kept=torch.cat([part.kept for part in parts]),
+            tool_mask=_joined_tool_masks(parts, width, completion_ids.device),
             scorer=scorer,
         )
         for kind in ("policy_logps", "policy_entropies", "ref_logps"):
@@ -344,6 +357,18 @@ class RolloutBatch:
                 combined.token_cache[kind] = torch.cat(
                     [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in scores])
         return combined
+
+
+def _joined_tool_masks(parts: Sequence[RolloutBatch], width: int, device: torch.device) -> torch.Tensor | None:
+    """The parts' tool masks padded to ``width`` (1: padding is not a reply), ones for parts without one."""
+    if all(part.tool_mask is None for part in parts):
+        return None
+    masks = []
+    for part in parts:
+        mask = part.tool_mask if part.tool_mask is not None else torch.ones(part.num_completions, width,
+                                                                             dtype=torch.long, device=device)
+        masks.append(torch.nn.functional.pad(mask.to(device), (0, width - mask.shape[1]), value=1))
+    return torch.cat(masks)
 
 
 @dataclass

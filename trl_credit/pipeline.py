@@ -336,7 +336,7 @@ class Pipeline:
         return restored
 
 
-_READ_ONLY = ("completion_ids", "completion_mask", "rewards", "reward_weights", "kept", "prompt_index")
+_READ_ONLY = ("completion_ids", "completion_mask", "rewards", "reward_weights", "kept", "prompt_index", "tool_mask")
 
 
 def _tensor_versions(batch: RolloutBatch) -> dict[str, tuple[torch.Tensor, int]]:

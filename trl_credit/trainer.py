@@ -290,6 +290,8 @@ class CreditGRPOTrainer(GRPOTrainer):
             step=self.state.global_step,
             args=self.args,
             tokenizer=self._tokenizer,
+            tool_mask=gather_padded(self.accelerator, output["tool_mask"], 1) if output.get("tool_mask") is not None
+            else None,
             scorer=TrainerScorer(self, output),
         )
         return batch

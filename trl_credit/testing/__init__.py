@@ -125,6 +125,7 @@ def make_batch(
     ref_logps: torch.Tensor | None = None,
     continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
     completion_logps_fn: Callable[[int, Any, str], Sequence[float]] | None = None,
+    tool_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
     prompt_index: Sequence[int] | None = None,
     step: int = 0,
     pad_token_id: int | None = None,
@@ -257,8 +258,18 @@ def make_batch(
         step=step,
         args=args,
         tokenizer=tokenizer,
+        tool_mask=_tool_mask(tool_mask, ids.shape),
         scorer=_StaticScorer(tensors),
     )
+
+
+def _tool_mask(tool_mask: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
+    if tool_mask is None:
+        return None
+    mask = torch.as_tensor(tool_mask, dtype=torch.long)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"tool_mask has shape {tuple(mask.shape)} but the ids are {tuple(shape)}")
+    return mask
 
 
 @dataclass

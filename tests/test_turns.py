@@ -1,0 +1,94 @@
+"""Turns of multi-turn rollouts: TRL's tool/env mask read into turn spans, counts, lengths and a broadcast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plugins_for_tests as fx
+from trl_credit import Plugin, hookimpl
+from trl_credit.testing import make_batch
+
+# two completions of width 10: model 3, env 2, model 2, env 1, model 1, pad 1 / one turn of 4, pad 6
+MASK = [[1] * 9 + [0], [1] * 4 + [0] * 6]
+TOOL = [[1, 1, 1, 0, 0, 1, 1, 0, 1, 1], [1] * 10]
+
+
+def test_turns_from_the_tool_mask():
+    turns = make_batch([1, 0], 2, completion_mask=MASK, completion_ids=[[5] * 10] * 2, tool_mask=TOOL).turns()
+    assert turns.index.tolist() == [[0, 0, 0, -1, -1, 1, 1, -1, 2, -1], [0, 0, 0, 0] + [-1] * 6]
+    assert turns.count.tolist() == [3, 1] and turns.replies.tolist() == [2, 0]
+    assert turns.lengths.tolist() == [[3, 2, 1], [4, 0, 0]]
+    assert turns.env[0].tolist() == [False] * 3 + [True] * 2 + [False] * 2 + [True] + [False] * 2
+    values = torch.tensor([[1.0, 2.0, 3.0], [7.0, 8.0, 9.0]])
+    assert turns.broadcast(values).tolist() == [[1, 1, 1, 0, 0, 2, 2, 0, 3, 0], [7, 7, 7, 7] + [0] * 6]
+    assert turns.last_turn()[0].nonzero().squeeze(1).tolist() == [8]
+    with pytest.raises(ValueError, match="expected \\(2, K\\) with K >= 3"):
+        turns.broadcast(torch.ones(2, 2))
+
+
+def test_a_single_turn_batch_is_one_turn_per_completion():
+    turns = make_batch([1, 0, 1, 0], 2, lengths=[3, 1, 4, 2]).turns()
+    assert turns.count.tolist() == [1, 1, 1, 1] and turns.replies.tolist() == [0, 0, 0, 0]
+    assert turns.lengths.squeeze(1).tolist() == [3, 1, 4, 2]
+
+
+class TurnCredit(Plugin):
+    """Per-turn advantages: the sequence advantage times 0.5 ** (turns after this one)."""
+
+    seen: list = []
+
+    @hookimpl
+    def transform_advantages(self, batch, advantages):
+        turns = batch.turns()
+        k = torch.arange(turns.max_turns, device=advantages.device)
+        decay = 0.5 ** (turns.count.unsqueeze(1) - 1 - k).clamp(min=0).float()
+        TurnCredit.seen.append(turns)
+        return turns.broadcast(advantages.unsqueeze(1) * decay)
+
+
+def _rollout(prompts, trainer):
+    """A scripted multi-turn rollout: model 3 tokens, environment reply 2, model 3 (env_mask marks the reply)."""
+    tok = trainer.processing_class
+    prompt_ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                  for p in prompts]
+    completion_ids, env_mask = [], []
+    for i, _ in enumerate(prompts):
+        first, reply, second = [100 + i % 7, 101, 102], [200, 201], [103, 104 + i % 3, tok.eos_token_id]
+        completion_ids.append(first + reply + second)
+        env_mask.append([1, 1, 1, 0, 0, 1, 1, 1])
+    return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": env_mask}
+
+
+def _second_token(completions, completion_ids, question, **kwargs):
+    """Varies within a group (the scripted second turn) when the question's first number is even, else 0."""
+    return [float(ids[6] - 104) if int(q.split()[0]) % 2 == 0 else 0.0 for ids, q in zip(completion_ids, question)]
+
+
+@pytest.mark.parametrize("with_refill", [False, True])
+def test_a_rollout_func_with_env_mask_trains_with_turn_credit(monkeypatch, with_refill):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import GRPOConfig
+
+    from trl_credit.app.data import make_arithmetic
+    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.trainer import CreditGRPOTrainer
+
+    TurnCredit.seen.clear()
+    args = GRPOConfig(output_dir="/tmp/trl_credit_turns", per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
+                      use_cpu=True, bf16=False, seed=0, learning_rate=1e-3, disable_tqdm=True)
+    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_second_token], args=args,
+                                train_dataset=make_arithmetic(32, seed=0), rollout_func=_rollout,
+                                plugins=[{"name": fx.DropConstant, "max_refill_rounds": 2}, TurnCredit] if with_refill
+                                else [TurnCredit])  # fmt: skip
+    trainer.train()
+    for turns in TurnCredit.seen:  # refill's assembled batches keep the turn structure
+        assert turns.count.tolist() == [2] * turns.count.numel() and turns.replies.tolist() == [1] * turns.count.numel()
+        assert turns.lengths.tolist() == [[3, 3]] * turns.count.numel()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logged)
+    if with_refill:  # constant groups were dropped and refilled, and the kept groups trained
+        assert max(h["trl_credit/generation_rounds"] for h in logged) > 1
+        assert all(h["trl_credit/kept_fraction"] > 0 for h in logged)

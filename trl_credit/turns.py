@@ -1,0 +1,73 @@
+"""The turns of a multi-turn completion: the model's spans and the tools' or environment's replies.
+
+TRL's multi-turn paths (``tools``, ``environment_factory``, a ``rollout_func`` returning ``env_mask``)
+produce one completion per trajectory in which the tokens the model wrote alternate with tokens
+the environment inserted; TRL's ``tool_mask`` is 1 on the model's tokens and 0 on the inserted ones,
+and its loss ignores the latter. `Turns` reads that mask: a *turn* is a maximal run of the model's
+tokens, numbered from 0 in each completion; a single-turn completion is one turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Turns", "turns_of"]
+
+
+@dataclass
+class Turns:
+    """Turn structure of a batch, all ``(N, T)`` or ``(N,)`` / ``(N, K)`` tensors (``K`` = most turns).
+
+    - ``index``: the model turn each token belongs to, -1 on environment tokens and padding.
+    - ``model``, ``env``: bool masks of the model's tokens and of the environment's (within the completion).
+    - ``count``: turns per completion; ``replies``: environment replies (runs of inserted tokens) per completion.
+    - ``lengths``: ``(N, K)`` tokens of each turn (0 past a completion's last turn).
+    """
+
+    index: torch.Tensor
+    model: torch.Tensor
+    env: torch.Tensor
+    count: torch.Tensor
+    replies: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def max_turns(self) -> int:
+        return self.lengths.shape[1]
+
+    def broadcast(self, values: torch.Tensor) -> torch.Tensor:
+        """``(N, K)`` per-turn values -> ``(N, T)`` per-token values on the model's tokens, 0 elsewhere.
+
+        ``K`` may exceed `max_turns`; it may not be smaller. Token advantages on environment tokens would
+        be ignored by TRL's loss anyway; they are 0 here so that sums over tokens count turns only.
+        """
+        if values.dim() != 2 or values.shape[0] != self.index.shape[0] or values.shape[1] < self.max_turns:
+            raise ValueError(f"broadcast: values of shape {tuple(values.shape)}, expected ({self.index.shape[0]}, K) "
+                             f"with K >= {self.max_turns}")
+        if values.shape[1] == 0:
+            return torch.zeros(self.index.shape, dtype=values.dtype, device=values.device)
+        gathered = values.gather(1, self.index.clamp(min=0).to(values.device))
+        return torch.where(self.model.to(values.device), gathered, torch.zeros((), dtype=values.dtype))
+
+    def last_turn(self) -> torch.Tensor:
+        """``(N, T)`` bool: the tokens of each completion's last model turn."""
+        return self.model & (self.index == (self.count - 1).unsqueeze(1))
+
+
+def turns_of(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> Turns:
+    """`Turns` from TRL's ``completion_mask`` and ``tool_mask`` (None: every completion is one turn)."""
+    valid = completion_mask.bool()
+    model = valid if tool_mask is None else valid & tool_mask.bool()
+    env = valid & ~model
+    starts = model & ~F.pad(model[:, :-1], (1, 0), value=False)
+    index = torch.where(model, starts.long().cumsum(1) - 1, torch.full_like(completion_mask, -1, dtype=torch.long))
+    count = starts.sum(1)
+    replies = (env & ~F.pad(env[:, :-1], (1, 0), value=False)).sum(1)
+    k = int(count.max()) if count.numel() else 0
+    lengths = torch.zeros(model.shape[0], k, dtype=torch.long, device=model.device)
+    if k:
+        lengths.scatter_add_(1, index.clamp(min=0), model.long())
+    return Turns(index, model, env, count, replies, lengths)
