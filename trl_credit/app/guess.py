@@ -1,0 +1,173 @@
+"""``guess``: a bundled offline multi-turn task, a number-guessing game played through TRL's ``rollout_func``.
+
+The prompt says "Game <k>: I am thinking of a whole number from 1 to <m>. You have <t> guesses...";
+the model answers with a number, the environment replies "Higher." or "Lower." (or "Reply with just a
+number."), for at most ``t`` turns or until the guess is right. The secret is a deterministic function
+of the game number (`target_of`), so the rollout needs nothing but the prompt. One completion is the
+whole transcript after the prompt: the model's turns (``env_mask`` 1) and the replies (0), exactly as
+TRL's multi-turn paths build it, so the loss trains on the model's tokens only and ``batch.turns()``
+sees the turns.
+
+Verifiable outcome: ``guess_solved`` (1.0 when a guess was right). Verifiable per-turn progress:
+``guess_distance`` (|guess - secret| after each turn, None when the turn held no number). Both reach
+the reward functions (and ``batch.column``) as TRL passes a rollout's extra fields.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+__all__ = ["GuessRollout", "guess_reward", "make_guess", "parse_game", "target_of"]
+
+_PROMPT = ("Game {game}: I am thinking of a whole number from 1 to {max_value}. You have {turns} guesses. "
+           "Reply with just a number; after each guess I say higher or lower.")
+_PARSE = re.compile(r"Game (\d+): I am thinking of a whole number from 1 to (\d+)\. You have (\d+) guesses")
+
+
+def target_of(game: int, max_value: int) -> int:
+    """The secret number of a game (Knuth's multiplicative hash: spread over 1..max_value)."""
+    return 1 + (game * 2654435761) % (2**32) % max_value
+
+
+def parse_game(prompt: Any) -> tuple[int, int, int]:
+    """``(game, max_value, turns)`` from a guess prompt (a string or chat messages)."""
+    text = prompt if isinstance(prompt, str) else " ".join(str(m.get("content", "")) for m in prompt)
+    match = _PARSE.search(text)
+    if match is None:
+        raise ValueError(f"not a guess prompt: {text[:120]!r}")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+
+
+def make_guess(n: int = 1000, seed: int = 0, max_value: int = 10, turns: int = 3, *,
+               exclude_games: set[int] | frozenset[int] = frozenset()) -> Any:
+    """``n`` games as a ``datasets.Dataset``: ``prompt`` (one user message), ``game``, ``answer`` (the secret)."""
+    from datasets import Dataset
+
+    if max_value < 2 or turns < 1 or n < 0:
+        raise ValueError(f"guess: need max_value >= 2, turns >= 1, n >= 0; got {max_value}, {turns}, {n}")
+    rng = random.Random(seed)
+    games: list[int] = []
+    seen = set(exclude_games)
+    while len(games) < n:
+        game = rng.randrange(1, 10**6)
+        if game not in seen:
+            seen.add(game)
+            games.append(game)
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": _PROMPT.format(game=g, max_value=max_value, turns=turns)}]
+                   for g in games],
+        "game": games,
+        "answer": [str(target_of(g, max_value)) for g in games],
+    })
+
+
+def guess_reward(completions: Any, guess_solved: list[float], **kwargs: Any) -> list[float]:
+    """1.0 when the game was solved within its turns, else 0.0 (from the rollout's ``guess_solved``)."""
+    return [float(s) for s in guess_solved]
+
+
+class GuessRollout:
+    """TRL ``rollout_func``: plays each prompt's game with the trainer's model, a batched ``generate`` per turn.
+
+    Sampling follows the trainer's ``temperature`` (``greedy=True``: greedy, for held-out evaluation); each
+    model turn has at most ``max_new_tokens`` tokens and ends with the end-of-turn token (added, and marked
+    as not the model's, when the model ran out of tokens).
+    """
+
+    def __init__(self, max_new_tokens: int = 8, greedy: bool = False):
+        self.max_new_tokens, self.greedy = max_new_tokens, greedy
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
+        from trl_credit.answers import last_number
+
+        tok = trainer.processing_class
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        eos = tok.eos_token_id
+        games = [parse_game(p) for p in prompts]
+        secrets = [target_of(g, m) for g, m, _ in games]
+        messages = [list(p) for p in prompts]
+        prompt_ids = [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                           ["input_ids"]) for m in messages]
+        context = [list(ids) for ids in prompt_ids]
+        completion = [[] for _ in prompts]
+        env_mask = [[] for _ in prompts]
+        solved = [0.0] * len(prompts)
+        distance: list[list[float | None]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        turn = 0
+        was_training = model.training
+        model.eval()
+        try:
+            while active and turn < max(t for _, _, t in games):
+                active = [i for i in active if turn < games[i][2]]
+                if not active:
+                    break
+                new = self._generate(model, tok, [context[i] for i in active], getattr(trainer, "temperature", 1.0))
+                still = []
+                for i, ids in zip(active, new):  # a loop over rows, bounded by the batch
+                    forced = not ids or ids[-1] != eos
+                    ids = ids + [eos] if forced else ids
+                    completion[i] += ids
+                    env_mask[i] += [1] * (len(ids) - 1) + [0 if forced else 1]
+                    text = tok.decode(ids, skip_special_tokens=True)
+                    value = last_number(text)
+                    guess = int(value) if value is not None and value == value.to_integral_value() else None
+                    distance[i].append(None if guess is None else float(abs(guess - secrets[i])))
+                    messages[i].append({"role": "assistant", "content": text})
+                    if guess == secrets[i]:
+                        solved[i] = 1.0
+                        continue
+                    if turn + 1 < games[i][2]:
+                        reply = ("Reply with just a number." if guess is None else
+                                 "Higher." if guess < secrets[i] else "Lower.")
+                        reply_ids = self._reply_ids(tok, messages[i], reply)
+                        completion[i] += reply_ids
+                        env_mask[i] += [0] * len(reply_ids)
+                        messages[i].append({"role": "user", "content": reply})
+                        still.append(i)
+                    context[i] = prompt_ids[i] + completion[i]
+                for i in still:
+                    context[i] = prompt_ids[i] + completion[i]
+                active = still
+                turn += 1
+        finally:
+            model.train(was_training)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": env_mask,
+                "logprobs": [[0.0] * len(c) for c in completion], "guess_solved": solved,
+                "guess_distance": distance, "guess_turns": [len(d) for d in distance]}
+
+    def _generate(self, model: Any, tok: Any, contexts: list[list[int]], temperature: float) -> list[list[int]]:
+        import torch
+
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        width = max(len(c) for c in contexts)
+        device = next(model.parameters()).device
+        ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for j, c in enumerate(contexts):  # left padding
+            ids[j, width - len(c):] = torch.tensor(c)
+            mask[j, width - len(c):] = 1
+        options: dict[str, Any] = {"do_sample": False} if self.greedy else {
+            "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=self.max_new_tokens, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=pad, **options)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t == tok.eos_token_id), len(row))
+            rows.append(row[:cut])
+        return rows
+
+    @staticmethod
+    def _reply_ids(tok: Any, messages: list[dict[str, str]], reply: str) -> list[int]:
+        """Token ids of the environment's reply as the chat template renders it after the model's turn."""
+        head = tok.apply_chat_template(messages, tokenize=False)
+        full = tok.apply_chat_template([*messages, {"role": "user", "content": reply}], tokenize=False,
+                                       add_generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError("guess: the chat template is not prefix-stable; cannot render the reply")
+        after_eos = head[head.rindex(tok.eos_token) + len(tok.eos_token):] if tok.eos_token in head else ""
+        return list(tok(after_eos + full[len(head):], add_special_tokens=False)["input_ids"])
