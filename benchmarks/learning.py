@@ -107,6 +107,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "diffgate": {"mechanism": "trl_credit/diffgate/gated_fraction",
                  "note": "teacher = the frozen reference (the base model under LoRA)"},
     "guide": {"skip": "needs a hint column; arithmetic has none (a generic hint would be a different experiment)"},
+    "expo": {"mechanism": "trl_credit/expo/explained_groups",
+             "note": "answer-conditioned explanations for all-fail groups: extra generation"},
+    "search_e1": {"mechanism": "trl_credit/search_e1/distilled_fraction"},
+    "scaf_grpo": {"skip": "needs tiered hint columns; arithmetic has none"},
     "seed": {"skip": "needs a skill column (SEED generates skills with the policy; not implemented here)"},
     "reward_noise": {"mechanism": "trl_credit/reward_noise/flipped_fraction",
                      "note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
@@ -318,7 +322,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
     steps = [h for h in metrics["log_history"] if "loss" in h and "step" in h]
     completions = settings.per_device_train_batch_size
     tokens = [h.get("completions/mean_length", 0.0) * completions + h.get("trl_credit/extra_tokens", 0.0)
-              for h in steps]  # fmt: skip
+              + h.get("trl_credit/augmented_tokens", 0.0) for h in steps]  # refill and extra generation included
     logged = sorted({k for h in steps for k in h if k.startswith("trl_credit/") or k == "frac_reward_zero_std"})
     mechanisms = {k: statistics.fmean([h[k] for h in steps if h.get(k) is not None]) for k in logged
                   if any(h.get(k) is not None for h in steps)}  # fmt: skip
