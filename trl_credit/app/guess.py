@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["GuessRollout", "guess_reward", "make_guess", "parse_game", "target_of"]
 
 _PROMPT = ("Game {game}: I am thinking of a whole number from 1 to {max_value}. You have {turns} guesses. "
-           "Reply with just a number; after each guess I say higher or lower.")
+           "Answer with just the number you guess; after each guess I say higher or lower.")
 _PARSE = re.compile(r"Game (\d+): I am thinking of a whole number from 1 to (\d+)\. You have (\d+) guesses")
 
 
