@@ -123,6 +123,58 @@ HOOK_TEMPLATES = {
     result = run_plugin({cls}, make_batch([1, 0, 0, 0], num_generations=4), {{"base": 0.04}})
     assert result.beta == pytest.approx(0.03)
 '''),
+    "loss_weights": (
+        "w_it = negative_weight if A_i < 0 else 1", "weight the loss of negative-advantage tokens", "negative_weight",
+        "0.5", "ge=0", "loss weight of the tokens of completions with a negative advantage",
+        '''    def loss_weights(self, loss):
+        import torch
+
+        from trl_credit import LossWeights
+
+        negative = (loss.sequence_advantages < 0).unsqueeze(1).expand_as(loss.mask)
+        return LossWeights(token=torch.where(negative, self.config.negative_weight, 1.0).to(loss.mask.dtype))
+''',
+        '''def test_formula_vector():
+    from trl_credit.testing import loss_inputs, run_loss
+
+    batch = make_batch([1, 0, 0, 0], num_generations=4, lengths=[2, 2, 2, 2])
+    result = run_loss({cls}, loss_inputs(batch, torch.tensor([1.5, -0.5, -0.5, -0.5])), {{"negative_weight": 0.5}})
+    torch.testing.assert_close(result.weights.token, torch.tensor([[1.0, 1.0]] + [[0.5, 0.5]] * 3))
+'''),
+    "loss_terms": (
+        "L += coef * aggregate(logp_it ** 2)", "a log-prob anchor term", "coef", "0.01", "ge=0",
+        "weight of the term",
+        '''    def loss_terms(self, loss):
+        return {{"anchor": self.config.coef * loss.aggregate(loss.logps**2)}}
+''',
+        '''def test_formula_vector():
+    from trl_credit.testing import loss_inputs, run_loss
+
+    batch = make_batch([1, 0, 0, 0], num_generations=4, lengths=[2, 1, 2, 1])
+    loss = loss_inputs(batch, torch.zeros(4))  # log-probs -1 on every token, dapo: masked sum / 6 tokens
+    result = run_loss({cls}, loss, {{"coef": 0.5}})
+    assert result.terms["anchor"].item() == pytest.approx(0.5)
+    (grad,) = torch.autograd.grad(result.terms["anchor"], loss.logps)
+    torch.testing.assert_close(grad, 0.5 * 2 * -1.0 / 6 * batch.completion_mask.float())
+'''),
+    "augment_rollouts": (
+        "all_i r_gi < threshold  =>  G more completions of 'prompt + hint'", "re-sample all-fail groups with a hint",
+        "threshold", "0.5", "ge=0", "a completion fails below this reward",
+        '''    def augment_rollouts(self, batch):
+        from trl_credit import Augmentation
+
+        rewards = batch.grouped(batch.total_reward().nan_to_num(0.0))
+        failed = (rewards < self.config.threshold).all(dim=1).nonzero().squeeze(1).tolist()
+        return [Augmentation(g, str(batch.prompts[g * batch.num_generations]) + " Think step by step.",
+                             context="hint") for g in failed]
+''',
+        '''def test_formula_vector():
+    from trl_credit.testing import plugin_set
+
+    plugin = plugin_set({cls}, {{"threshold": 0.5}}).plugins[0].instance
+    requests = plugin.augment_rollouts(make_batch([0, 0, 1, 0], num_generations=2))
+    assert [r.group for r in requests] == [0] and requests[0].prompt == "prompt 0 Think step by step."
+'''),
     "prompt_weights": (
         "w_x = 1 + bonus * 1[x never seen]", "favour prompts not seen yet", "bonus", "1.0", "ge=0",
         "extra weight of an unseen prompt",
