@@ -193,6 +193,8 @@ def test_aggregate_matches_trl_for_every_loss_type(make_trainer, arithmetic):
 
 
 class Bad(Plugin):
+    """Returns broken loss weights (mode: sapo-bounds, negative, shape)."""
+
     mode = "sapo-bounds"
 
     @hookimpl
@@ -276,3 +278,12 @@ def test_metrics_logged_in_loss_hooks_reach_the_training_logs(make_trainer):
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["trl_credit/logs_in_loss/rows_seen"] for h in logged] == [4.0, 4.0]  # per micro-batch, averaged
+
+
+def test_check_plugin_runs_the_loss_hooks_through_the_host_checks():
+    from trl_credit.testing import check_plugin
+
+    check_plugin(SquaredLogp)
+    Bad.mode = "negative"
+    with pytest.raises(AssertionError, match="negative token weights"):
+        check_plugin(Bad)

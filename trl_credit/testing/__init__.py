@@ -423,7 +423,8 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
     all-dropped group, ragged lengths), outputs of the right shape, finite, and deterministic for
     the same input. A stateful plugin's state, after those batches, must be plain data that
     survives ``torch.save``/``torch.load(weights_only=True)`` and ``load_state_dict`` into a fresh
-    instance unchanged. Pass ``batches`` (batches or factories) to check on your own batches.
+    instance unchanged. Loss hooks (on `loss_inputs` of each batch) and ``augment_rollouts`` run through
+    the host's checks too. Pass ``batches`` (batches or factories) to check on your own batches.
     """
     cls = load_plugin(plugin)
     problems = []
@@ -462,12 +463,35 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
                 first = result.advantages.clone()
             else:
                 assert torch.equal(first, result.advantages), f"edge-case batch {i}: not deterministic"
+            _check_other_hooks(cls, config, hooks, i, make, result.advantages)
     _check_state_round_trip(cls, config, batches)
     if "prompt_weights" in hooks:
         stats = PromptStats.empty(5)
         stats.update(torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), 0)
         weights = run_curriculum(cls, stats, config)
         assert weights is None or (weights.shape == (5,) and torch.isfinite(weights).all()), "bad prompt weights"
+
+
+def _check_other_hooks(cls: type, config: dict[str, Any] | None, hooks: Sequence[str], i: int, make: Any,
+                       advantages: torch.Tensor) -> None:
+    """The loss hooks and ``augment_rollouts`` on edge-case batch ``i``, through the host's checks.
+
+    A batch that lacks a score the plugin asks for (the kit's "pass `...=` to make_batch" error) is
+    skipped for these hooks: give ``check_plugin`` ``batches=`` that carry those scores.
+    """
+    try:
+        if {"loss_weights", "loss_terms"} & set(hooks):
+            batch = make() if callable(make) else _copy(make)
+            run_loss(cls, loss_inputs(batch, advantages.detach().clone()), config)
+        if "augment_rollouts" in hooks:
+            batch = make() if callable(make) else _copy(make)
+            Pipeline(plugin_set(cls, config)).augment_rollouts(batch)
+    except RuntimeError as exc:
+        if "make_batch" in str(exc) and "pass" in str(exc):
+            return
+        raise AssertionError(f"edge-case batch {i}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise AssertionError(f"edge-case batch {i}: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_state_round_trip(cls: type, config: dict[str, Any] | None, batches: Sequence[Any]) -> None:
