@@ -130,3 +130,16 @@ def test_train_on_source_scores_after_the_own_prompt_against_the_hinted_behaviou
     mask = out["completion_mask"].float()
     torch.testing.assert_close(out["old_per_token_logps"][8:] * mask[8:], hinted[8:, :t], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(hinted[8:], plain[8:])  # the ratio pi(y|x) / pi_old(y|x + hint) is not 1
+
+
+def test_with_context_adds_text_without_touching_the_prompt():
+    from trl_credit import with_context
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
+    assert with_context(chat, "H") == [chat[0], {"role": "user", "content": "Q?\n\nH"}]
+    assert with_context(chat, "H", "system") == [{"role": "system", "content": "Be brief.\n\nH"}, chat[1]]
+    assert with_context(chat[1:], "H", "system") == [{"role": "system", "content": "H"}, chat[1]]
+    assert with_context("Q?", "H", separator=" ") == "Q? H" and with_context("Q?", "H", "system") == "H\n\nQ?"
+    assert chat[1]["content"] == "Q?"  # copies, not edits
+    with pytest.raises(ValueError, match="no user message"):
+        with_context(chat[:1], "H")

@@ -196,7 +196,7 @@ def test_hint_template_and_system_position():
         {"role": "system", "content": "H"}, {"role": "user", "content": "Q"}]
     assert with_context([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], "H", "system")[0] == {
         "role": "system", "content": "S\n\nH"}
-    assert with_context("Q?", "H", "user") == "H\n\nQ?"  # plain text: in front of the prompt
+    assert with_context("Q?", "H", "user") == "Q?\n\nH" and with_context("Q?", "H", "system") == "H\n\nQ?"
     calls = []
     run_plugin(DiffGate, hint_batch(["one"] * 4, calls=calls),
                {"teacher": "hint", "hint_template": "Teacher notes: {hint}.", "hint_position": "system"})

@@ -134,7 +134,7 @@ def test_trajectory_text_and_with_context():
                 {"role": "assistant", "content": "42"}]
     assert trajectory_text(messages) == "<search>x</search>\n\n[tool] doc\n\n42"
     assert trajectory_text("plain") == "plain"
-    assert with_context("Q?", "S", "user") == "S\n\nQ?"
+    assert with_context("Q?", "S", "user") == "Q?\n\nS" and with_context("Q?", "S", "system") == "S\n\nQ?"
     assert with_context([{"role": "system", "content": "sys"}, {"role": "user", "content": "Q"}], "S", "system") == \
         [{"role": "system", "content": "sys\n\nS"}, {"role": "user", "content": "Q"}]
 

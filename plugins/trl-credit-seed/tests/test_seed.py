@@ -145,7 +145,7 @@ def test_skill_prompts_as_scored():
     calls.clear()
     run_plugin(SEED, batch(calls=calls), {"skill_template": "Skill: {skill}", "skill_position": "system"})
     assert calls[0][1] == [{"role": "system", "content": "Skill: carry the one"}, PROMPTS[0][0]]
-    assert with_context("Q?", "K", "user") == "K\n\nQ?"
+    assert with_context("Q?", "K", "user") == "Q?\n\nK" and with_context("Q?", "K", "system") == "K\n\nQ?"
     with pytest.raises(ConfigError, match="must contain the placeholder"):
         run_plugin(SEED, batch(), {"skill_template": "Skill:"})
 

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import ConfigError, Plugin, RunInfo, hookimpl, with_context
 
 if TYPE_CHECKING:
     import torch
@@ -103,29 +103,6 @@ def difficulty_gate(reward: torch.Tensor, num_generations: int, threshold: float
     pass_rate = passed.reshape(-1, g).sum(1) / finite.reshape(-1, g).sum(1).clamp(min=1)   # (Q,)
     weight = (1.0 - pass_rate.to(torch.float32)) ** power                                # 0**0 = 1
     return failed.to(torch.float32) * weight.repeat_interleave(g)
-
-
-def with_context(prompt: Any, text: str, position: str) -> Any:
-    """``prompt`` with ``text`` added: chat prompts get it appended to the last user message (``user``)
-    or to / as the system message (``system``); plain-string prompts get it in front."""
-    if isinstance(prompt, str):
-        return f"{text}\n\n{prompt}"
-    messages = [dict(m) for m in prompt]
-    if position == "system":
-        if messages and messages[0].get("role") == "system":
-            index = 0
-        else:
-            return [{"role": "system", "content": text}, *messages]
-    else:
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if not users:
-            raise ValueError("the prompt has no user message to add the context to; use hint_position: system")
-        index = users[-1]
-    content = messages[index].get("content")
-    if not isinstance(content, str):
-        raise TypeError(f"can only add the context to text message content, got {type(content).__name__}")
-    messages[index]["content"] = f"{content}\n\n{text}"
-    return messages
 
 
 def _contains_answer(hint: str, answer: str) -> bool:
@@ -169,7 +146,7 @@ class DiffGate(Plugin):
         hint_position: Literal["user", "system"] = Field(
             "user",
             description="user: append to the last user message; system: append to (or add) the system message; "
-            "plain-string prompts always get the hint in front",
+            "plain-string prompts get the hint after them (user) or in front (system)",
         )
         answer_column: str = Field(
             "answer", description="dataset column with the answer; a hint containing it is refused (teacher: hint)",

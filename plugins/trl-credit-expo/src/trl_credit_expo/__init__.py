@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Augmentation, ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import Augmentation, ConfigError, Plugin, RunInfo, hookimpl, joint_advantages, with_context
 
 if TYPE_CHECKING:
     import torch
@@ -62,79 +62,7 @@ CONTEXT = "expo self-explanation"  # this plugin's Augmentation.context
 
 def explained_prompt(prompt: Any, answer: str, template: str) -> Any:
     """The prompt with ``template.format(answer=answer)`` appended to its last user message (or to the string)."""
-    text = template.format(answer=answer)
-    if isinstance(prompt, str):
-        return f"{prompt} {text}"
-    messages = [dict(m) for m in prompt]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-    messages[last]["content"] = f"{messages[last]['content']} {text}"
-    return messages
-
-
-def _group_keys(batch: RolloutBatch) -> list[tuple[int, str]]:
-    """Per group: (dataset row, repr of the *source* prompt); an augmented group shares its source's key."""
-    g = batch.num_generations
-    marks = batch.columns.get(AUGMENTED) or [None] * batch.num_completions
-    sources = batch.columns.get(SOURCE_PROMPT) or [None] * batch.num_completions
-    index = batch.prompt_index.tolist()
-    return [(int(index[f]), repr(batch.prompts[f] if marks[f] is None else sources[f]))
-            for f in range(0, batch.num_completions, g)]
-
-
-def joint_advantages(batch: RolloutBatch, advantages: torch.Tensor, contexts: set[str]) -> torch.Tensor | None:
-    """Advantages with each augmented group (context in ``contexts``) and its source group sharing one baseline.
-
-    ``u`` = the ``2G`` total rewards of source and augmented group; ``A = (u - mean u) / (std + 1e-4)``
-    (std per pair for ``scale_rewards`` group, of the batch for batch, none: no division), NaN rows 0.
-    The pairs' rows take these values (broadcast over tokens for ``(N, T)`` advantages); other rows keep
-    ``advantages``. None when no augmented group of ``contexts`` has its source group in the batch.
-    """
-    import torch
-
-    marks = batch.columns.get(AUGMENTED)
-    if not marks:
-        return None
-    g = batch.num_generations
-    keys = _group_keys(batch)
-    firsts = range(0, batch.num_completions, g)
-    plain: dict[tuple[int, str], int] = {}
-    for gi, f in enumerate(firsts):  # a loop over groups, bounded by the batch's group count
-        if marks[f] is None:
-            plain.setdefault(keys[gi], gi)
-    pairs, used = [], set()
-    for gi, f in enumerate(firsts):
-        source = plain.get(keys[gi]) if marks[f] in contexts else None
-        if source is not None and source not in used:
-            pairs.append((source, gi))
-            used.add(source)
-    if not pairs:
-        return None
-    device = batch.device
-    groups = torch.tensor(pairs, dtype=torch.long, device=device)  # (A, 2): source, augmented
-    offsets = torch.arange(g, device=device)
-    rows = (groups.unsqueeze(2) * g + offsets).reshape(len(pairs), 2 * g)  # (A, 2G)
-    total = batch.total_reward()
-    u = total[rows]
-    finite = ~torch.isnan(u)
-    count = finite.sum(dim=1, keepdim=True)
-    mean = torch.nansum(u, dim=1, keepdim=True) / count.clamp(min=1)
-    centred = torch.where(finite, u - mean, torch.zeros_like(u))
-    scale = getattr(batch.args, "scale_rewards", "group")
-    scale = {True: "group", False: "none"}.get(scale, scale)
-    if scale == "none":
-        joint = centred
-    else:
-        if scale == "batch":
-            ok = total[~torch.isnan(total)]
-            std = ok.std() if ok.numel() > 1 else torch.zeros((), device=device)
-        else:  # group: the pair's own (unbiased) std
-            std = (centred.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
-        joint = centred / (std + 1e-4)
-    out = advantages.clone()
-    flat = rows.reshape(-1)
-    values = joint.reshape(-1).to(out.dtype)
-    out[flat] = values.unsqueeze(1).expand(-1, out.shape[1]) if out.dim() == 2 else values
-    return out
+    return with_context(prompt, template.format(answer=answer), "user", separator=" ")
 
 
 class ExPO(Plugin):

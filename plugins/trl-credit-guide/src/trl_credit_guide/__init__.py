@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Augmentation, ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import Augmentation, ConfigError, Plugin, RunInfo, hookimpl, with_context
 
 if TYPE_CHECKING:
     import torch
@@ -53,13 +53,7 @@ def failed_groups(rewards: torch.Tensor, num_generations: int, threshold: float)
 
 def hinted_prompt(prompt: Any, hint: str, template: str) -> Any:
     """The prompt with ``template.format(hint=hint)`` appended to its last user message (or to the string)."""
-    text = template.format(hint=hint)
-    if isinstance(prompt, str):
-        return f"{prompt} {text}"
-    messages = [dict(m) for m in prompt]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-    messages[last]["content"] = f"{messages[last]['content']} {text}"
-    return messages
+    return with_context(prompt, template.format(hint=hint), "user", separator=" ")
 
 
 class Guide(Plugin):

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import ConfigError, Plugin, RunInfo, hookimpl, with_context
 
 if TYPE_CHECKING:
     import torch
@@ -133,29 +133,6 @@ def trajectory_text(completion: Any) -> str:
     return "\n\n".join(parts)
 
 
-def with_context(prompt: Any, text: str, position: str) -> Any:
-    """``prompt`` with ``text`` added: chat prompts get it appended to the last user message (``user``)
-    or to / as the system message (``system``); plain-string prompts get it in front."""
-    if isinstance(prompt, str):
-        return f"{text}\n\n{prompt}"
-    messages = [dict(m) for m in prompt]
-    if position == "system":
-        if messages and messages[0].get("role") == "system":
-            index = 0
-        else:
-            return [{"role": "system", "content": text}, *messages]
-    else:
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if not users:
-            raise ValueError("the prompt has no user message to add the sibling to; use sibling_position: system")
-        index = users[-1]
-    content = messages[index].get("content")
-    if not isinstance(content, str):
-        raise TypeError(f"can only add the sibling to text message content, got {type(content).__name__}")
-    messages[index]["content"] = f"{content}\n\n{text}"
-    return messages
-
-
 class SearchE1(Plugin):
     """Search-E1: GRPO + coef * aggregate(s_i [sg(w)(q - l) + l - sg(l)]), q = log pi(a | prompt + shortest
     correct sibling), w = min(e^(q - l), c); alternating with GRPO steps (schedule) or joint."""
@@ -211,7 +188,7 @@ class SearchE1(Plugin):
         sibling_position: Literal["user", "system"] = Field(
             "user",
             description="user: append to the last user message; system: append to (or add) the system message; "
-            "plain-string prompts always get it in front",
+            "plain-string prompts get it after them (user) or in front (system)",
         )
 
         @field_validator("sibling_template")

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import ConfigError, Plugin, RunInfo, hookimpl, with_context
 
 if TYPE_CHECKING:
     import torch
@@ -73,29 +73,6 @@ def bounded_shift(delta: torch.Tensor, bound: str, tau: float) -> torch.Tensor:
     return delta
 
 
-def with_context(prompt: Any, text: str, position: str) -> Any:
-    """``prompt`` with ``text`` added: chat prompts get it appended to the last user message (``user``)
-    or to / as the system message (``system``); plain-string prompts get it in front."""
-    if isinstance(prompt, str):
-        return f"{text}\n\n{prompt}"
-    messages = [dict(m) for m in prompt]
-    if position == "system":
-        if messages and messages[0].get("role") == "system":
-            index = 0
-        else:
-            return [{"role": "system", "content": text}, *messages]
-    else:
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if not users:
-            raise ValueError("the prompt has no user message to add the skill to; use skill_position: system")
-        index = users[-1]
-    content = messages[index].get("content")
-    if not isinstance(content, str):
-        raise TypeError(f"can only add the skill to text message content, got {type(content).__name__}")
-    messages[index]["content"] = f"{content}\n\n{text}"
-    return messages
-
-
 class SEED(Plugin):
     """SEED: term = -coef * aggregate(sg(clip(logp(a|ctx+skill) - logp(a|ctx), -tau, tau)) * logp(a|ctx))."""
 
@@ -113,7 +90,7 @@ class SEED(Plugin):
         skill_position: Literal["user", "system"] = Field(
             "user",
             description="user: append to the last user message; system: append to (or add) the system message; "
-            "plain-string prompts always get the skill in front",
+            "plain-string prompts get the skill after them (user) or in front (system)",
         )
         coef: float = Field(1.0, ge=0.0, description="weight of the distillation term added to TRL's GRPO loss")
         bound: Literal["clip", "tanh", "none"] = Field(
