@@ -618,8 +618,9 @@ def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Setting
             f"{_f(ratio, 2)} | {_f(row['seconds_per_step']['mean'], 1)} (× {_f(row.get('time_ratio', {}).get('mean'), 2)}) | "
             f"{mech} {_f(row['mechanism_value']['mean'], 2)} | {note or '—'} |")  # fmt: skip
     if missing:
+        shown = "; ".join(missing[:12]) + (f"; and {len(missing) - 12} more" if len(missing) > 12 else "")
         lines += ["", f"**Partial:** {len(missing)} planned runs are missing from these tables (failed, or not "
-                  f"finished yet; the grid is resumable): {'; '.join(missing)}."]  # fmt: skip
+                  f"finished yet; the grid is resumable): {shown}."]  # fmt: skip
     if skipped:
         lines += ["", "Not run:", ""]
         lines += [f"- `{name}`: {reason}" for name, reason in sorted(skipped.items())]
