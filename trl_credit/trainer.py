@@ -115,8 +115,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         if len(rounds) > 1:
             if any(out.get("old_per_token_logps") is not None for out, _ in rounds):  # a round trained on source
                 for out, _ in rounds:
-                    if out.get("old_per_token_logps") is None:
-                        out["old_per_token_logps"] = TrainerScorer(self, out)._forward(use_reference=False)[0].detach()
+                    _store_old_logps(self, out)
             output, batch = assemble(self, rounds, refill_choice([b for _, b in rounds], quota))
         return self._finish(output, batch, rounds, extra_tokens, budget_hit)
 
@@ -171,14 +170,13 @@ class CreditGRPOTrainer(GRPOTrainer):
         finally:
             self.epsilon_low, self.epsilon_high = epsilons
             self.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        mode = "train" if self.model.training else "eval"
         if captured:
             view.logps, view.entropies = captured[0][0], captured[0][1]
-            mode = "train" if self.model.training else "eval"
             scale = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             for (key, name), value in self.pipeline.loss_terms(view).items():
                 loss = loss + value / scale
                 self._metrics[mode][f"trl_credit/{key}/{name}"].append(float(value.detach()))
-        mode = "train" if self.model.training else "eval"
         for name, values in view.batch.metrics.items():  # what the loss hooks logged (the batch was logged before)
             new = values[logged.get(name, 0):]
             if new:
@@ -312,11 +310,11 @@ class CreditGRPOTrainer(GRPOTrainer):
         if not requests:
             return output, batch
         share = usable // world
+        if any(key in ("image", "images") for key in batch.columns):
+            raise NotImplementedError("augment_rollouts does not support image inputs yet")
         rows = []
         for _, request in requests[rank * share:(rank + 1) * share]:
             first = request.group * g
-            if any(key in ("image", "images") for key in batch.columns):
-                raise NotImplementedError("augment_rollouts does not support image inputs yet")
             row = {key: values[first] for key, values in batch.columns.items()}
             row.update({"prompt": request.prompt, PROMPT_INDEX: int(batch.prompt_index[first]),
                         AUGMENTED: request.context, SOURCE_PROMPT: batch.prompts[first]})
@@ -344,8 +342,7 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _train_on_source(self, output: dict[str, Any], extra: dict[str, Any], sources: list) -> None:
         """Augmented rows with a source prompt: old log-probs = what sampled them, prompt ids = the source prompt."""
         for out in (output, extra):  # the behaviour log-probs, for every row (TRL skips them on-policy)
-            if out.get("old_per_token_logps") is None:
-                out["old_per_token_logps"] = TrainerScorer(self, out)._forward(use_reference=False)[0].detach()
+            _store_old_logps(self, out)
         device = extra["prompt_ids"].device
         own = [ids[mask.bool()].tolist() for ids, mask in zip(extra["prompt_ids"], extra["prompt_mask"])]
         swapped = [i for i, source in enumerate(sources) if source is not None]
@@ -544,6 +541,12 @@ class _ObserverCallback(TrainerCallback):
         logs = {k: sum(v) / len(v) for k, v in window.items() if v}
         self.trainer.pipeline.notify("on_step_end", state.global_step, trainer=self.trainer,
                                         step=state.global_step, logs=logs)
+
+
+def _store_old_logps(trainer: CreditGRPOTrainer, output: dict[str, Any]) -> None:
+    """Give ``output`` the behaviour (old) per-token log-probs where TRL skipped them: one no-grad pass."""
+    if output.get("old_per_token_logps") is None:
+        output["old_per_token_logps"] = TrainerScorer(trainer, output)._forward(use_reference=False)[0].detach()
 
 
 def _augmented(batch: RolloutBatch) -> torch.Tensor:
