@@ -7,6 +7,8 @@ Mode ``curriculum``: trains 4 steps with a curriculum whose weights depend on th
 statistics, and saves what every rank drew and its final statistics.
 Modes ``resume-full`` / ``resume-part`` / ``resume``: 4 steps with refill and a checkpoint every 2;
 ``resume-part`` stops after the step-2 checkpoint, ``resume`` continues from it.
+Mode ``adapter``: 2 steps with a PEFT policy and a plugin that trains an auxiliary "prm" adapter and keeps an
+"ema" one; saves every rank's auxiliary weights.
 Mode ``augment``: 2 steps where an ``augment_rollouts`` plugin adds two hinted groups and a loss plugin
 checks, in every micro-batch, that its ``rows`` point at its own completions in the gathered batch.
 """
@@ -88,8 +90,14 @@ args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generat
                   max_steps=steps, logging_steps=1, report_to="none", save_strategy="steps" if resuming else "no",
                   save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
 plugins = ([MidPassRate, Record] if mode == "curriculum" else [HintTwoGroups, RowsCheck, Record] if mode == "augment"
+           else [{"name": fx.AuxPRM, "ema": 0.5}, Record] if mode == "adapter"
            else [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
-trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args,
+peft_config = None
+if mode == "adapter":
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args, peft_config=peft_config,
                          train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
 if mode == "resume-part":
     from transformers import TrainerCallback
@@ -101,6 +109,11 @@ if mode == "resume-part":
     trainer.add_callback(StopAt2())
 trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-2" if mode == "resume" else None)
 rank = trainer.accelerator.process_index
-torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode, "log_history": trainer.state.log_history,
+adapters = {}
+if mode == "adapter":
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    records.append({"updates": [r for _, r, _ in trainer.credit_plugins.plugins[0].instance.seen]})
+torch.save({"adapters": adapters, "world": trainer.accelerator.num_processes, "records": records, "mode": mode, "log_history": trainer.state.log_history,
             "prompt_stats": trainer.prompt_stats.state_dict(), "loss_checks": loss_checks},
            f"{out_dir}/{mode}-rank{rank}.pt")

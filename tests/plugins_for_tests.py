@@ -227,3 +227,48 @@ class Switchable:
     @hookimpl
     def kl_coefficient(self, batch):
         return 0.1
+
+
+class AuxPRM:
+    """Scores with an auxiliary "prm" adapter and takes one BCE step on the outcome each batch (a PRIME-like
+    update); an optional "ema" adapter follows the policy. Changes no reward or advantage."""
+
+    name = "aux_prm"
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        init: str = "fresh"
+        lr: float = 1e-2
+        ema: float | None = None
+        update: bool = True
+
+    def __init__(self, config):
+        self.config = config
+        self.seen = []  # (prm log-probs before the update, loss) per batch
+
+    def adapters(self):
+        from trl_credit import Adapter
+
+        found = [Adapter("prm", init=self.config.init, lr=self.config.lr)]
+        if self.config.ema is not None:
+            found.append(Adapter("ema", ema_decay=self.config.ema, ema_every=1))
+        return found
+
+    @hookimpl
+    def shape_rewards(self, batch):
+        from trl_credit.plugin import adapter_handle
+
+        prm = adapter_handle(self, "prm")
+        before = prm.logps(batch)
+        label = batch.total_reward().nan_to_num(0.0).clamp(0, 1)
+        ref = batch.ref_logps()
+        mask = batch.completion_mask.float()
+
+        def loss_fn(logps, rows):
+            score = 0.05 * ((logps - ref[rows]) * mask[rows]).sum(1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(score, label[rows], reduction="none")
+
+        expected = float(loss_fn(before, torch.arange(batch.num_completions)).mean())  # at the weights before the step
+        result = prm.update(batch, loss_fn) if self.config.update else None
+        self.seen.append((before.clone(), result, expected))
+        return None

@@ -107,3 +107,22 @@ def test_augmentation_and_loss_rows_on_two_processes(tmp_path, tiny_model):
         logged = [h for h in rank["log_history"] if "loss" in h]
         assert [h["trl_credit/augmented_groups"] for h in logged] == [2.0, 2.0]
     assert ranks[0]["prompt_stats"]["seen"].sum() == 2 * 12  # hinted rollouts are not counted
+
+
+@pytest.mark.distributed
+def test_auxiliary_adapters_are_the_same_on_two_processes(tmp_path, tiny_model):
+    ranks = launch_two(tmp_path, "adapter", 29537)
+    assert [r["world"] for r in ranks] == [2, 2]
+    a, b = ranks[0]["adapters"], ranks[1]["adapters"]
+    prm = [n for n in a if ".tc_aux_prm_prm." in n]
+    ema = [n for n in a if ".tc_aux_prm_ema." in n]
+    assert prm and ema and a.keys() == b.keys()
+    for name in a:  # the policy (DDP), the trained PRM (gradients summed by the host) and the EMA agree
+        assert torch.equal(a[name], b[name]), name
+    updates = [r["records"][-1]["updates"] for r in ranks]
+    assert len(updates[0]) == 2
+    for u0, u1 in zip(*updates):  # the same loss, grad norm and pre-step scores: the global mean
+        assert u0["loss"] == u1["loss"] and u0["grad_norm"] == u1["grad_norm"] and torch.equal(u0["logps"], u1["logps"])
+    assert all(u["loss"] > 0 and u["grad_norm"] > 0 and u["logps"].abs().sum() > 0 for u in updates[0])
+    for p, e in zip(sorted(prm), sorted(ema)):
+        assert not torch.equal(a[p], a[e])  # the PRM moved away from its start (= base) and the EMA followed the policy

@@ -11,6 +11,8 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
 - shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
+- auxiliary LoRA adapters a plugin owns (`Plugin.adapters()`, `Plugin.adapter(name)`): `Adapter`,
+  `AdapterHandle`
 - running: `CreditGRPOTrainer`; errors at run time: `PluginRuntimeError`
 """
 
@@ -31,6 +33,8 @@ _LAZY = {
     "source_keys": "trl_credit.augment",
     "with_context": "trl_credit.augment",
     "Turns": "trl_credit.turns",
+    "Adapter": "trl_credit.adapters",
+    "AdapterHandle": "trl_credit.adapters",
     "LossInputs": "trl_credit.loss",
     "LossWeights": "trl_credit.loss",
     "CLIPPED_LOSSES": "trl_credit.loss",

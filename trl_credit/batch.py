@@ -227,20 +227,19 @@ class RolloutBatch:
         self,
         prefixes: Sequence[str],
         continuations: Sequence[str],
-        model: str = "policy",
+        model: Any = "policy",
         reduce: str = "sum",
     ) -> torch.Tensor | list[torch.Tensor]:
         """Teacher-forced log-probs of ``continuations[i]`` after ``prefixes[i]`` (batched, no-grad, cached).
 
         :param prefixes: texts fed as context (already chat-formatted if you want that).
         :param continuations: texts whose tokens are scored.
-        :param model: ``"policy"`` or ``"reference"``.
+        :param model: ``"policy"``, ``"reference"`` or one of the plugin's adapters (``self.adapter(name)``).
         :param reduce: ``"sum"`` or ``"mean"`` gives an ``(M,)`` tensor; ``"none"`` a list of 1-D tensors.
         """
         if len(prefixes) != len(continuations):
             raise ValueError("prefixes and continuations must have the same length")
-        if model not in ("policy", "reference"):
-            raise ValueError("model must be 'policy' or 'reference'")
+        model = _model_kind(model)
         root = self.root
         cache = root.token_cache.setdefault("continuations", {})  # type: ignore[arg-type]
         missing = [(p, c) for p, c in zip(prefixes, continuations) if (model, p, c) not in cache]
@@ -262,7 +261,7 @@ class RolloutBatch:
             return sums / lengths
         raise ValueError("reduce must be 'sum', 'mean' or 'none'")
 
-    def completion_logps(self, prompts: Sequence[Any], model: str = "policy") -> torch.Tensor:
+    def completion_logps(self, prompts: Sequence[Any], model: Any = "policy") -> torch.Tensor:
         """``(N, T)`` no-grad log-probs of the batch's *own* completion tokens after other prompts (cached).
 
         The re-scoring pass of on-policy distillation and of off-context corrections: the sampled
@@ -272,12 +271,12 @@ class RolloutBatch:
         Values at padded positions are 0. Costs one no-grad forward pass over the rows not cached.
 
         :param prompts: ``N`` prompts, one per completion of this batch (or view).
-        :param model: ``"policy"`` or ``"reference"`` (PEFT: adapters disabled).
+        :param model: ``"policy"``, ``"reference"`` (PEFT: adapters disabled) or one of the plugin's
+            adapters (``self.adapter(name)``).
         """
         if len(prompts) != self.num_completions:
             raise ValueError(f"completion_logps: {len(prompts)} prompts for {self.num_completions} completions")
-        if model not in ("policy", "reference"):
-            raise ValueError("model must be 'policy' or 'reference'")
+        model = _model_kind(model)
         root = self.root
         rows = list(range(self.num_completions)) if self._rows is None else self._rows.tolist()
         cache = root.token_cache.setdefault("completion_logps", {})  # type: ignore[arg-type]
@@ -357,6 +356,14 @@ class RolloutBatch:
                 combined.token_cache[kind] = torch.cat(
                     [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in scores])
         return combined
+
+
+def _model_kind(model: Any) -> str:
+    """``model=`` of the scorers: ``"policy"``, ``"reference"``, or an `AdapterHandle` (its kind string)."""
+    kind = getattr(model, "kind", model)
+    if kind in ("policy", "reference") or (isinstance(kind, str) and kind.startswith("adapter:")):
+        return kind
+    raise ValueError(f"model must be 'policy', 'reference' or a plugin's adapter (self.adapter(name)), got {model!r}")
 
 
 def _joined_tool_masks(parts: Sequence[RolloutBatch], width: int, device: torch.device) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """What the host adds to a checkpoint: ``trl_credit_state.pt``, plain data that loads without running code.
 
-The file holds ``{"format": 1, "plugins": {key: state}, "prompt_stats": {...}, "refill_batches_drawn": n}``.
+The file holds ``{"format": 1, "plugins": {key: state}, "prompt_stats": {...}, "refill_batches_drawn": n}``
+and, when plugins own auxiliary adapters, ``"adapters": {kind: {"weights", "optimizer", "updates"}}``.
 It is written with ``torch.save`` and read with ``torch.load(weights_only=True)``: only tensors, numbers,
 strings, booleans, None, lists, tuples and dicts can be in it, so a crafted file cannot run code. A plugin
 whose ``state_dict()`` holds anything else is refused when the checkpoint is saved, naming the plugin
@@ -45,7 +46,8 @@ def check_plain(value: Any, where: str) -> None:
                     "only tensors, numbers, strings, booleans, None, lists and dicts")
 
 
-def write_state(folder: str, plugins: dict[str, Any], prompt_stats: dict[str, Any], refill_batches_drawn: int) -> str:
+def write_state(folder: str, plugins: dict[str, Any], prompt_stats: dict[str, Any], refill_batches_drawn: int,
+                adapters: dict[str, Any] | None = None) -> str:
     """Write ``folder/trl_credit_state.pt`` atomically; raises `CheckpointError` for a plugin state that is not plain."""
     for key, state in plugins.items():
         try:
@@ -56,21 +58,28 @@ def write_state(folder: str, plugins: dict[str, Any], prompt_stats: dict[str, An
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, STATE_FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save({"format": FORMAT, "plugins": plugins, "prompt_stats": prompt_stats,
-                "refill_batches_drawn": int(refill_batches_drawn)}, tmp)
+    state = {"format": FORMAT, "plugins": plugins, "prompt_stats": prompt_stats,
+             "refill_batches_drawn": int(refill_batches_drawn)}
+    if adapters:
+        check_plain(adapters, "adapters")
+        state["adapters"] = adapters
+    torch.save(state, tmp)
     os.replace(tmp, path)
     return path
 
 
-def read_state(checkpoint: str, stateful: list[str]) -> dict[str, Any] | None:
+def read_state(checkpoint: str, stateful: list[str], adapters: bool = False) -> dict[str, Any] | None:
     """The host state of ``checkpoint`` (None when the run had no plugins then and none is stateful now).
 
     Raises `CheckpointError` naming the file when it is missing while ``stateful`` plugins are enabled,
     cannot be read (truncated, not a torch file), holds anything but plain data, or lacks the state of
-    one of the ``stateful`` plugin keys.
+    one of the ``stateful`` plugin keys. ``adapters``: the run has auxiliary adapters (the file must exist).
     """
     path = os.path.join(checkpoint, STATE_FILE)
     if not os.path.exists(path):
+        if adapters:
+            raise CheckpointError(f"{path} is missing, but this run's plugins train auxiliary adapters whose "
+                                  "weights it holds: resume from a checkpoint written by trl-credit with these plugins")
         if stateful:
             raise CheckpointError(f"{path} is missing, but plugin(s) {', '.join(stateful)} keep state across "
                                   "checkpoints: resume from a checkpoint written by trl-credit with these plugins, or "

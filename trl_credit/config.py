@@ -84,6 +84,12 @@ class PluginSet:
     def names(self) -> list[str]:
         return [p.key for p in self.plugins]
 
+    def adapters(self) -> dict[str, Any]:
+        """Every declared auxiliary adapter: ``adapter:<plugin key>/<name>`` -> `trl_credit.Adapter`."""
+        from trl_credit.adapters import adapter_kind
+
+        return {adapter_kind(p.key, a.name): a for p in self.plugins for a in p.members.adapters}
+
 
 def normalize_items(raw: Any) -> list[tuple[str, dict[str, Any]]]:
     """``plugins:`` as a list of (name, options); raises `ConfigError` on a malformed list.
@@ -281,6 +287,17 @@ def check_reference(plugins: PluginSet, beta: float, peft: bool) -> None:
         ])
 
 
+def _adapter_problems(plugins: PluginSet, peft: bool) -> list[str]:
+    """Auxiliary adapters are LoRA adapters on the policy's base model: they need a PEFT policy."""
+    if peft:
+        return []
+    return [f"plugins[{p.index}] ({p.name}) trains the auxiliary adapter(s) "
+            f"{', '.join(repr(a.name) for a in p.members.adapters)}, LoRA adapters on the policy's base model, but "
+            "the policy is not a PEFT adapter: set `use_peft: true` in the config (`peft_config=LoraConfig(...)` "
+            "in Python), optionally with `load_in_4bit: true` for QLoRA"
+            for p in plugins.plugins if p.members.adapters]
+
+
 def instantiate(cls: type, options: dict[str, Any], index: int = 0, name: str = "?") -> tuple[Any, list[str]]:
     """Validate ``options`` against ``cls.Config`` and build the plugin; returns (instance, problems)."""
     config_cls = getattr(cls, "Config", None)
@@ -426,6 +443,7 @@ def check_run(plugins: PluginSet, args: Any, reward_names: list[str] | None, col
         check_reference(plugins, getattr(args, "beta", 0.0), peft)
     except ConfigError as exc:
         problems += exc.problems
+    problems += _adapter_problems(plugins, peft)
     for p in plugins.plugins:
         check = getattr(p.instance, "check_args", None)
         if not callable(check):

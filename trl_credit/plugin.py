@@ -15,6 +15,7 @@ member                 meaning                                                  
 ``disabled_hooks()``   hooks this configuration switches off (treated as absent)       config load
 ``check_args(run)``    raise `ConfigError` for settings it cannot run with (`RunInfo`)  before load
 ``refill()``           a `Refill` when its filter wants more prompts drawn, else None   config load
+``adapters()``         auxiliary LoRA adapters it owns (`Adapter`; `trl_credit.adapters`) config load
 ``state_dict()``       plain data to checkpoint, or None (stateless)                    each save
 ``load_state_dict(s)`` restore what ``state_dict()`` returned                            on resume
 =====================  ==============================================================  ==========
@@ -34,13 +35,14 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from trl_credit.adapters import Adapter, AdapterHandle
 from trl_credit.hookspecs import HOOKS, PROJECT
 
-__all__ = ["MEMBERS", "Plugin", "PluginInfo", "Refill", "RunInfo", "members", "near_misses"]
+__all__ = ["MEMBERS", "Plugin", "PluginInfo", "Refill", "RunInfo", "adapter_handle", "members", "near_misses"]
 
 #: The optional members the host knows by name.
-MEMBERS = ("required_rewards", "required_columns", "disabled_hooks", "check_args", "refill", "state_dict",
-           "load_state_dict")
+MEMBERS = ("required_rewards", "required_columns", "disabled_hooks", "check_args", "refill", "adapters",
+           "state_dict", "load_state_dict")
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,14 @@ class Plugin:
         """A `Refill` when this plugin's filter wants dropped groups replaced by newly drawn ones."""
         return None
 
+    def adapters(self) -> Sequence[Adapter]:
+        """Auxiliary LoRA adapters this configuration owns (`trl_credit.Adapter`); they need a PEFT policy."""
+        return ()
+
+    def adapter(self, name: str) -> AdapterHandle:
+        """The handle of the declared adapter ``name``: ``.logps(batch)``, ``.update(batch, loss_fn)``, ``model=``."""
+        return adapter_handle(self, name)
+
     def state_dict(self) -> dict[str, Any] | None:
         """Plain data (tensors, numbers, strings, lists, dicts) to save with each checkpoint; None: none."""
         return None
@@ -153,6 +163,7 @@ class Members:
     disabled_hooks: tuple[str, ...]
     refill: Refill | None
     stateful: bool
+    adapters: tuple[Adapter, ...] = ()
 
 
 def members(instance: Any) -> Members:
@@ -166,8 +177,27 @@ def members(instance: Any) -> Members:
         raise TypeError(f"refill() must return trl_credit.Refill or None, got {type(refill).__name__}")
     state = getattr(type(instance), "state_dict", None)
     stateful = callable(state) and state is not Plugin.state_dict
+    adapters = tuple(call("adapters", ()) or ())
+    bad = [a for a in adapters if not isinstance(a, Adapter)]
+    if bad:
+        raise TypeError(f"adapters() must return trl_credit.Adapter items, got {type(bad[0]).__name__}")
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"adapters() declares the same name twice: {names}")
     return Members(tuple(call("required_rewards", ()) or ()), tuple(call("required_columns", ()) or ()),
-                   tuple(call("disabled_hooks", ()) or ()), refill, stateful)
+                   tuple(call("disabled_hooks", ()) or ()), refill, stateful, adapters)
+
+
+def adapter_handle(instance: Any, name: str) -> AdapterHandle:
+    """The `AdapterHandle` of ``instance``'s declared adapter ``name`` (works for plain classes too)."""
+    key = getattr(instance, "trl_credit_key", None)
+    if key is None:
+        raise RuntimeError(f"{type(instance).__name__}.adapter({name!r}): the plugin is not enabled (no key yet)")
+    fn = getattr(instance, "adapters", None)
+    declared = [a.name for a in (fn() if callable(fn) else ())]
+    if name not in declared:
+        raise KeyError(f"{key} has no adapter {name!r}; adapters() declares {declared or 'none'}")
+    return AdapterHandle(key, name)
 
 
 def near_misses(cls: type) -> list[str]:

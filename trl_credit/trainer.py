@@ -7,8 +7,9 @@ filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-
 loss plugins: token weights passed as TRL's ``tool_mask``, clip bounds as its ``epsilon_low`` /
 ``epsilon_high``, TRL's own ``_get_per_token_logps_and_entropies`` output kept for extra terms),
 ``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
-``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state). With no plugins enabled
-every seam returns TRL's result untouched.
+``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state, auxiliary adapters). Auxiliary
+adapters (`trl_credit.adapters`) are added to TRL's PEFT model at the end of ``__init__``, before TRL
+builds its optimiser. With no plugins enabled every seam returns TRL's result untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import time
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from trl_credit.adapters import KIND_PREFIX, AuxAdapters, peft_name
 from trl_credit.augment import AUGMENTED, SOURCE_PROMPT
 from trl_credit.batch import PromptStats, RolloutBatch
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
@@ -67,9 +70,16 @@ class CreditGRPOTrainer(GRPOTrainer):
         self._credit_skip_update = False
         self.refill_stream = RefillStream(self)
         super().__init__(**kwargs)
+        self.aux_adapters = AuxAdapters(self.credit_plugins.adapters())
         if self.pipeline.active:
             check_reward_columns(self.credit_plugins, list(self.reward_func_names))  # environments add rewards
             self.add_callback(_ObserverCallback(self))
+        if self.aux_adapters:
+            if self.is_fsdp_enabled or (self.is_deepspeed_enabled and
+                                        self.accelerator.state.deepspeed_plugin.zero_stage == 3):
+                raise NotImplementedError("auxiliary adapters need whole (unsharded) LoRA weights on every process: "
+                                          "use DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
+            self.aux_adapters.attach(self.model)  # frozen: TRL's optimiser (built in train()) never holds them
 
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -97,7 +107,9 @@ class CreditGRPOTrainer(GRPOTrainer):
                     budget_hit = True
                     break
                 inputs = self.refill_stream.next()
+            start = time.perf_counter()
             output = super()._generate_and_score_completions(inputs)
+            self._metrics["train"]["trl_credit/cost/generation_seconds"].append(time.perf_counter() - start)
             batch = self._rollout_batch(output)
             if self.pipeline.has("augment_rollouts"):
                 output, batch = self._augment(output, batch)
@@ -233,14 +245,14 @@ class CreditGRPOTrainer(GRPOTrainer):
         if self.pipeline.active and self.args.should_save:  # before transformers' files: never a checkpoint without it
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             write_state(folder, self.pipeline.state_dict(), self.prompt_stats.state_dict(),
-                        self.refill_stream.batches_drawn)
+                        self.refill_stream.batches_drawn, self.aux_adapters.state_dict() or None)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or not self.pipeline.active:
             return
-        state = read_state(checkpoint, [p.key for p in self.pipeline.stateful()])
+        state = read_state(checkpoint, [p.key for p in self.pipeline.stateful()], adapters=bool(self.aux_adapters))
         if state is None:
             self.accelerator.print(f"[trl-credit] resumed from {checkpoint}: it has no {STATE_FILE}; "
                                    "no plugin keeps state, prompt statistics start empty")
@@ -254,9 +266,16 @@ class CreditGRPOTrainer(GRPOTrainer):
                                   f"{self.prompt_stats.num_prompts} prompts ({type(exc).__name__}: {exc}); was the "
                                   "dataset changed since the checkpoint?") from None
         self.refill_stream.fast_forward(int(state.get("refill_batches_drawn", 0)))
+        adapters = ""
+        if self.aux_adapters:
+            try:
+                kinds = self.aux_adapters.load_state_dict(state.get("adapters") or {}, source)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+            adapters = f", the auxiliary adapter(s) {', '.join(peft_name(k) for k in kinds)}"
         self.accelerator.print(
             f"[trl-credit] resumed from {checkpoint}: restored the state of "
-            f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics and the refill "
+            f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics{adapters} and the refill "
             f"stream ({self.refill_stream.batches_drawn} batches drawn)")
 
     # ------------------------------------------------------------------ batch
@@ -427,13 +446,21 @@ class TrainerScorer:
         self.output = output
         self._local: dict[str, torch.Tensor] = {}  # policy log-probs and entropies come from one pass
 
-    def _forward(self, use_reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, use_reference: bool = False, adapter: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad log-probs (and entropies) of ``output``'s rows: the policy, the reference, or an adapter kind."""
         t, out = self.trainer, self.output
         input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
         keep = out["completion_ids"].shape[1]
         batch_size = t.args.per_device_train_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(t.model, t.args.gradient_checkpointing_kwargs):
+            if adapter is not None:
+                start = time.perf_counter()
+                with use_adapter(t.accelerator.unwrap_model(t.model), adapter_name=peft_name(adapter)):
+                    result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
+                t._metrics["train"][f"trl_credit/cost/{adapter[len(KIND_PREFIX):]}_score_seconds"].append(
+                    time.perf_counter() - start)
+                return result
             if not use_reference:
                 return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
                                                              compute_entropy=True)[:2]
@@ -456,6 +483,8 @@ class TrainerScorer:
             local = out["ref_per_token_logps"]
         elif kind in self._local:
             local = self._local.pop(kind)
+        elif kind.startswith(KIND_PREFIX):
+            local = self._forward(adapter=kind)[0]
         else:
             logps, entropies = self._forward(use_reference=(kind == "ref_logps"))
             local = logps
@@ -489,7 +518,7 @@ class TrainerScorer:
                                         "prompt_mask": att[:, : width - keep].to(device),
                                         "completion_ids": ids[:, width - keep:].to(device),
                                         "completion_mask": att[:, width - keep:].to(device)})
-            logps, _ = scorer._forward(use_reference=(model == "reference"))
+            logps, _ = scorer._forward(use_reference=(model == "reference"), adapter=_adapter_kind(model))
             for j, i in enumerate(idx):
                 n = len(cont[j])
                 results.append((i, logps[j, keep - n:].float().cpu().tolist() if n else []))
@@ -519,12 +548,52 @@ class TrainerScorer:
             scorer = TrainerScorer(t, {"prompt_ids": prompt_ids.to(acc.device), "prompt_mask": prompt_mask.to(acc.device),
                                        "completion_ids": out["completion_ids"][local],
                                        "completion_mask": out["completion_mask"][local]})
-            logps, _ = scorer._forward(use_reference=(model == "reference"))
+            logps, _ = scorer._forward(use_reference=(model == "reference"), adapter=_adapter_kind(model))
             logps = logps.float() * out["completion_mask"][local].to(logps.device)
             result[torch.tensor(idx, device=result.device), : logps.shape[1]] = logps.to(result.device)
         if acc.num_processes > 1:  # every row is scored by exactly one rank
             result = acc.reduce(result, reduction="sum")
         return list(result.cpu().unbind(0))
+
+
+    def update_adapter(self, kind, rows, loss_fn, width):
+        """One optimiser step of an auxiliary adapter on ``rows`` of the batch: this rank's own rows, with grad."""
+        t, out, acc = self.trainer, self.output, self.trainer.accelerator
+        local_n = out["completion_ids"].shape[0]
+        start_row = acc.process_index * local_n
+        mine = [int(r) for r in rows.tolist() if start_row <= int(r) < start_row + local_n]
+        chunk = max(1, t.args.per_device_train_batch_size)
+        model = acc.unwrap_model(t.model)  # not the DDP wrapper: its reducer knows only the policy's weights
+
+        position = {int(r): j for j, r in enumerate(rows.tolist())}
+        scores = torch.zeros(len(rows), width, device=acc.device)  # the pre-step log-probs, for the plugin
+
+        def chunks():
+            for begin in range(0, len(mine), chunk):
+                part = mine[begin:begin + chunk]
+                idx = torch.tensor([r - start_row for r in part], device=out["completion_ids"].device)
+                ids = torch.cat([out["prompt_ids"][idx], out["completion_ids"][idx]], dim=1)
+                att = torch.cat([out["prompt_mask"][idx], out["completion_mask"][idx]], dim=1)
+                keep = out["completion_ids"].shape[1]
+                with use_adapter(model, adapter_name=peft_name(kind)), torch.enable_grad(), acc.autocast():
+                    logps = t._get_per_token_logps_and_entropies(model, ids, att, keep, len(idx))[0]
+                    logps = logps.float() * out["completion_mask"][idx].to(logps.dtype)
+                    logps = torch.nn.functional.pad(logps, (0, width - logps.shape[1]))
+                    scores[torch.tensor([position[r] for r in part], device=scores.device)] = logps.detach().to(scores.device)
+                    yield loss_fn(logps, torch.tensor(part))
+
+        def reduce(x):
+            return acc.reduce(x, reduction="sum") if acc.num_processes > 1 else x
+
+        result = t.aux_adapters.step(kind, chunks, reduce, len(rows))
+        result["logps"] = reduce(scores).cpu()  # every row is computed by exactly one rank
+        t._metrics["train"][f"trl_credit/cost/{kind[len(KIND_PREFIX):]}_update_seconds"].append(result.pop("seconds"))
+        return result
+
+
+def _adapter_kind(model: Any) -> str | None:
+    """The adapter kind a scorer's ``model=`` names (``adapter:<plugin>/<name>``), or None."""
+    return model if isinstance(model, str) and model.startswith(KIND_PREFIX) else None
 
 
 class _ObserverCallback(TrainerCallback):
@@ -537,6 +606,8 @@ class _ObserverCallback(TrainerCallback):
         self.trainer.pipeline.notify("on_train_begin", state.global_step, trainer=self.trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.aux_adapters:  # EMA adapters follow the policy after its optimiser step
+            self.trainer.aux_adapters.track(state.global_step)
         window = self.trainer._metrics["train"]  # this logging window's values, before TRL averages them
         logs = {k: sum(v) / len(v) for k, v in window.items() if v}
         self.trainer.pipeline.notify("on_step_end", state.global_step, trainer=self.trainer,

@@ -37,7 +37,7 @@ from trl_credit.plugins import available, implemented_hooks, new_manager
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.testing.tiny import answer_reward, tiny_dataset, tiny_model, tiny_model_path, train_tiny
 
-__all__ = ["PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
+__all__ = ["AdapterUpdate", "PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
            "edge_case_batches", "load_plugin", "LossResult", "loss_inputs", "STATE_FILE", "make_batch", "plugin_set",
            "run_curriculum", "run_loss", "run_plugin",
            "tiny_dataset", "tiny_model", "tiny_model_path", "train_tiny"]
@@ -83,23 +83,64 @@ class _Tokenizer(SimpleNamespace):
     batch_decode = decode
 
 
+@dataclass
+class AdapterUpdate:
+    """One ``handle.update`` a plugin made on a `make_batch` batch: what the host would have minimised.
+
+    ``loss``: the mean of the per-row losses (what the optimiser step minimises); ``losses``: per row;
+    ``grad``: d loss / d logps ``(N, T)`` (the gradient the adapter's log-probs would receive).
+    """
+
+    adapter: str
+    rows: torch.Tensor
+    losses: torch.Tensor
+    loss: float
+    grad: torch.Tensor
+
+
 class _StaticScorer:
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
+        self.adapter_updates: list[AdapterUpdate] = []
+
+    def _adapter(self, kind: str) -> torch.Tensor:
+        name = kind.rsplit("/", 1)[-1]
+        given = self.tensors.get("adapters", {})
+        name = name if name in given or "*" not in given else "*"
+        if name not in given:
+            raise RuntimeError(f"the plugin asked for its adapter {name!r}; pass `adapters={{'{name}': logps}}` "
+                               "to make_batch")
+        return given[name]
+
+    def update_adapter(self, kind, rows, loss_fn, width):
+        logps = self._adapter(kind).clone().requires_grad_(True)
+        losses = loss_fn(logps[rows], rows)
+        if losses.dim() != 1:
+            raise ValueError(f"{kind}: loss_fn must return one loss per row, got shape {tuple(losses.shape)}")
+        loss = losses.sum() / max(len(rows), 1)
+        grad, = torch.autograd.grad(loss, logps, allow_unused=True)
+        update = AdapterUpdate(kind.rsplit("/", 1)[-1], rows, losses.detach(), float(loss),
+                               torch.zeros_like(logps) if grad is None else grad)
+        self.adapter_updates.append(update)
+        return {"loss": update.loss, "grad_norm": float(update.grad.norm()), "logps": logps.detach()[rows].clone()}
 
     def token_scores(self, kind: str) -> torch.Tensor:
+        if kind.startswith("adapter:"):
+            return self._adapter(kind)
         if kind not in self.tensors:
             name = {"policy_logps": "logps", "policy_entropies": "entropies", "ref_logps": "ref_logps"}[kind]
             raise RuntimeError(f"the plugin asked for {kind}; pass `{name}=` to make_batch")
         return self.tensors[kind]
 
     def continuation_logps(self, prefixes, continuations, model):
+        model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model  # an adapter by its name
         fn = self.tensors.get("continuation_fn")
         if fn is None:
             raise RuntimeError("the plugin asked for continuation log-probs; pass `continuation_fn=` to make_batch")
         return [torch.as_tensor(fn(p, c, model), dtype=torch.float32) for p, c in zip(prefixes, continuations)]
 
     def completion_logps(self, rows, prompts, model, width):
+        model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
         fn = self.tensors.get("completion_logps_fn")
         if fn is None:
             raise RuntimeError("the plugin asked for completion log-probs under other prompts; pass "
@@ -126,6 +167,7 @@ def make_batch(
     continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
     completion_logps_fn: Callable[[int, Any, str], Sequence[float]] | None = None,
     tool_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
+    adapters: dict[str, torch.Tensor] | None = None,
     prompt_index: Sequence[int] | None = None,
     step: int = 0,
     pad_token_id: int | None = None,
@@ -147,6 +189,11 @@ def make_batch(
     width ``T`` without EOS is truncated and, with ``mask_truncated_completions=True``, masked out
     entirely (a row shorter than ``T`` counts as finished). An explicit ``completion_mask`` must have
     the ids' shape and is used as given (truncation masking still applies).
+
+    Scores (no model): ``logps``, ``entropies``, ``ref_logps`` ``(N, T)``; ``adapters``: ``{name: (N, T)}``
+    log-probs under a plugin's auxiliary adapters (``"*"``: any name), whose ``update`` calls are recorded
+    (`PluginResult.adapter_updates`); ``continuation_fn(prefix, continuation, model)`` and
+    ``completion_logps_fn(row, prompt, model)`` (an adapter's ``model`` is its name).
 
     ``tokenizer``: a real tokenizer (its pad and EOS ids are used), or None for a stand-in with
     ``pad_token_id`` (default 0) and ``eos_token_id`` (default: the pad id, as SmolLM2 and many others).
@@ -235,6 +282,13 @@ def make_batch(
             if tuple(value.shape) != tuple(ids.shape):
                 raise ValueError(f"{kind} has shape {tuple(value.shape)} but the ids are {tuple(ids.shape)}")
             tensors[kind] = value
+    if adapters:
+        tensors["adapters"] = {}
+        for name, value in adapters.items():
+            value = torch.as_tensor(value, dtype=torch.float32)
+            if tuple(value.shape) != tuple(ids.shape):
+                raise ValueError(f"adapters[{name!r}] has shape {tuple(value.shape)} but the ids are {tuple(ids.shape)}")
+            tensors["adapters"][name] = value
     if continuation_fn is not None:
         tensors["continuation_fn"] = continuation_fn
     if completion_logps_fn is not None:
@@ -284,6 +338,11 @@ class PluginResult:
     plugin: Any
     metrics: dict[str, float] = field(default_factory=dict)
     beta: float | None = None  # the plugin's kl_coefficient for this batch (None: GRPOConfig.beta)
+
+    @property
+    def adapter_updates(self) -> list[AdapterUpdate]:
+        """The auxiliary-adapter updates the plugin made on this batch (`AdapterUpdate`), in order."""
+        return list(getattr(self.batch.root.scorer, "adapter_updates", []))
 
 
 def load_plugin(plugin: type | str | Any) -> type:
@@ -548,7 +607,7 @@ def edge_case_batches() -> list:
         g = torch.Generator().manual_seed(n * 1000 + t)  # the same scores every time a factory is called
         return make_batch(rewards, num_generations, lengths=lengths,
                           logps=-torch.rand(n, t, generator=g), entropies=torch.rand(n, t, generator=g),
-                          ref_logps=-torch.rand(n, t, generator=g),
+                          ref_logps=-torch.rand(n, t, generator=g), adapters={"*": -torch.rand(n, t, generator=g)},
                           columns={"answer": ["1"] * n}, reward_names=["accuracy"])
 
     return [
