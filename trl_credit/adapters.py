@@ -48,13 +48,14 @@ class Adapter:
 
     - ``init``: ``"policy"`` (a copy of the policy adapter when the trainer is built) or ``"fresh"``
       (PEFT's initialisation: LoRA B = 0, so it starts equal to the base model, the reference).
-    - ``lr``, ``weight_decay``, ``max_grad_norm`` (None: no clip): its AdamW step.
+    - ``lr`` (None: the run's ``learning_rate``), ``weight_decay``, ``max_grad_norm`` (None: no clip): its
+      AdamW step.
     - ``ema_decay`` (0 < d < 1) and ``ema_every``: an EMA of the policy adapter instead of a trained one.
     """
 
     name: str
     init: str = "policy"
-    lr: float = 1e-6
+    lr: float | None = None
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     ema_decay: float | None = None
@@ -66,7 +67,7 @@ class Adapter:
                              "starting with a letter")
         if self.init not in ("policy", "fresh"):
             raise ValueError(f"adapter '{self.name}': init must be 'policy' or 'fresh', got {self.init!r}")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             raise ValueError(f"adapter '{self.name}': lr must be > 0, got {self.lr}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"adapter '{self.name}': max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
@@ -155,8 +156,9 @@ class AuxAdapters:
     def __bool__(self) -> bool:
         return bool(self.specs)
 
-    def attach(self, model: Any) -> None:
-        """Add every adapter to ``model`` (a `peft.PeftModel`), frozen; build the optimisers."""
+    def attach(self, model: Any, learning_rate: float) -> None:
+        """Add every adapter to ``model`` (a `peft.PeftModel`), frozen; build the optimisers (``learning_rate``:
+        the run's, for adapters that set none)."""
         import torch
 
         if not hasattr(model, "peft_config"):
@@ -186,7 +188,8 @@ class AuxAdapters:
                 param.requires_grad_(False)
             self.params[kind] = params
             if spec.trained:
-                self.optimizers[kind] = torch.optim.AdamW([p for _, p in params], lr=spec.lr,
+                lr = spec.lr if spec.lr is not None else learning_rate
+                self.optimizers[kind] = torch.optim.AdamW([p for _, p in params], lr=lr,
                                                           weight_decay=spec.weight_decay)
 
     def _named(self, adapter: str) -> list[tuple[str, torch.nn.Parameter]]:

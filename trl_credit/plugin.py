@@ -15,7 +15,7 @@ member                 meaning                                                  
 ``disabled_hooks()``   hooks this configuration switches off (treated as absent)       config load
 ``check_args(run)``    raise `ConfigError` for settings it cannot run with (`RunInfo`)  before load
 ``refill()``           a `Refill` when its filter wants more prompts drawn, else None   config load
-``adapters()``         auxiliary LoRA adapters it owns (`Adapter`; `trl_credit.adapters`) config load
+``adapters()``         auxiliary LoRA adapters it owns (`Adapter`, `adapter(name)`)      config load
 ``state_dict()``       plain data to checkpoint, or None (stateless)                    each save
 ``load_state_dict(s)`` restore what ``state_dict()`` returned                            on resume
 =====================  ==============================================================  ==========

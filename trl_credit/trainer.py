@@ -79,7 +79,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                                         self.accelerator.state.deepspeed_plugin.zero_stage == 3):
                 raise NotImplementedError("auxiliary adapters need whole (unsharded) LoRA weights on every process: "
                                           "use DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
-            self.aux_adapters.attach(self.model)  # frozen: TRL's optimiser (built in train()) never holds them
+            self.aux_adapters.attach(self.model, self.args.learning_rate)  # frozen: TRL's optimiser (built in train()) never holds them
 
     # ------------------------------------------------------------------ seams
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -119,7 +119,7 @@ class _StaticScorer:
             raise ValueError(f"{kind}: loss_fn must return one loss per row, got shape {tuple(losses.shape)}")
         loss = losses.sum() / max(len(rows), 1)
         grad, = torch.autograd.grad(loss, logps, allow_unused=True)
-        update = AdapterUpdate(kind.rsplit("/", 1)[-1], rows, losses.detach(), float(loss),
+        update = AdapterUpdate(kind.rsplit("/", 1)[-1], rows, losses.detach(), float(loss.detach()),
                                torch.zeros_like(logps) if grad is None else grad)
         self.adapter_updates.append(update)
         return {"loss": update.loss, "grad_norm": float(update.grad.norm()), "logps": logps.detach()[rows].clone()}
