@@ -64,7 +64,7 @@ EVIDENCE = ("<!-- which-plugin-evidence:begin -->", "<!-- which-plugin-evidence:
 QUICK_PREFERENCE = ("dynamic_sampling", "balanced_aggregation", "gtpo", "gdpo", "riskpo", "drpo", "corrgrpo")
 # the grid's order after the baselines: the sparse-reward filters and multi-reward estimators first, so a partial
 # grid (it takes several sessions on 2 cores) answers the commonest questions; then alphabetical; fixtures last
-PRIORITY = ("dynamic_sampling", "accuracy_band", "gdpo", "half_pass_selection", "balanced_aggregation", "p_grpo",
+PRIORITY = ("dynamic_sampling", "accuracy_band", "prime", "gdpo", "half_pass_selection", "balanced_aggregation", "p_grpo",
             "prm_clip_delta", "gtpo", "drpo")
 INFORMATIVE = "informative_groups"  # 1 - TRL's frac_reward_zero_std: groups whose rewards differ
 LAST = ("reward_noise",)  # robustness fixtures: run after the methods
@@ -107,6 +107,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "diffgate": {"mechanism": "trl_credit/diffgate/gated_fraction",
                  "note": "teacher = the frozen reference (the base model under LoRA)"},
     "guide": {"skip": "needs a hint column; arithmetic has none (a generic hint would be a different experiment)"},
+    "prime": {"mechanism": "trl_credit/prime/prm_auc",
+              "note": "implicit PRM = a second LoRA adapter; AUC scored before the PRM trains on the rollouts"},
     "expo": {"mechanism": "trl_credit/expo/explained_groups",
              "note": "answer-conditioned explanations for all-fail groups: extra generation"},
     "search_e1": {"mechanism": "trl_credit/search_e1/distilled_fraction"},
@@ -328,6 +330,8 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
                   if any(h.get(k) is not None for h in steps)}  # fmt: skip
     if "frac_reward_zero_std" in mechanisms:
         mechanisms[INFORMATIVE] = 1.0 - mechanisms["frac_reward_zero_std"]
+    tracked = [k for k in logged if k.startswith("trl_credit/cost/") or k == variant.mechanism]
+    series = {k: [[h["step"], round(h[k], 5)] for h in steps if h.get(k) is not None] for k in tracked}
     train_seconds = metrics["train_seconds"] - metrics.get("heldout_curve_seconds", 0.0)
     result = {
         "label": variant.label, "plugins": variant.plugins, "rewards": variant.rewards, "prompt": variant.prompt,
@@ -341,6 +345,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
         "eval_seconds": metrics.get("heldout_curve_seconds"), "wall_seconds": round(time.time() - clock, 1),
         "train_reward": [[h["step"], h.get(f"rewards/{ACC}/mean")] for h in steps],
         "mechanisms": mechanisms,
+        "series": series,  # per step: the mechanism metric and the extra passes' costs
     }  # fmt: skip
     path = result_path(out, variant.label, seed)
     path.parent.mkdir(parents=True, exist_ok=True)

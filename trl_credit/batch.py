@@ -5,7 +5,8 @@ CPU or the training device; plugins should create new tensors with ``device=batc
 read-only for hooks: the pipeline stops a plugin that edits one of its tensors (or a cached score) in
 place, because other plugins and TRL's loss read them.
 
-Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`, `completion_logps`) are lazy: nothing
+Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`, `completion_logps`,
+`prefix_logps`) are lazy: nothing
 runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
 computed (old log-probs, reference log-probs) is reused.
 """
@@ -36,6 +37,10 @@ class Scorer(Protocol):
 
     def completion_logps(self, rows: Sequence[int], prompts: Sequence[Any], model: str, width: int) -> torch.Tensor:
         """``(len(rows), width)`` log-probs of the batch's own completion tokens after other prompts."""
+
+    def prefix_logps(self, rows: Sequence[int], ends: Sequence[int], continuations: Sequence[str],
+                     model: str) -> list[torch.Tensor]:
+        """Per-token log-probs of ``continuations[j]`` after row ``rows[j]``'s prompt + first ``ends[j]`` tokens."""
 
 
 @dataclass
@@ -291,6 +296,62 @@ class RolloutBatch:
                                                   model, root.width)
             cache.update(zip(todo, scores))
         return torch.stack([cache[key] for key in keys]).to(self.device) if keys else torch.zeros(0, self.width)
+
+    def prefix_logps(self, ends: torch.Tensor, continuations: Sequence[str], model: Any = "policy",
+                     reduce: str = "mean") -> torch.Tensor:
+        """Teacher-forced log-probs of ``continuations[i]`` after row ``i``'s prompt and its first ``ends[i, k]``
+        completion tokens, for every ``k`` (no-grad, batched over the whole batch, cached).
+
+        The step-boundary scorer of IGPO, TRACE and P2S: a gold answer (or gold chain of thought, or a
+        probe cue) scored after each step prefix of every completion; `trl_credit.step_ends` gives the
+        boundaries, and ``ends[i, k] = 0`` scores it after the prompt alone. The completion tokens are the
+        sampled ids (never re-tokenised); the continuation is tokenised without special tokens. One
+        sequence per valid ``(i, k)``, in micro-batches of ``per_device_train_batch_size``.
+
+        :param ends: ``(N, K)`` long, completion-token prefix lengths; entries < 0 are skipped.
+        :param continuations: ``N`` texts, one per completion (the same after each of its prefixes).
+        :param model: ``"policy"``, ``"reference"`` or one of the plugin's adapters (``self.adapter(name)``).
+        :param reduce: ``"sum"`` or ``"mean"`` over the continuation's tokens gives ``(N, K)``; ``"none"``
+            gives ``(N, K, C)`` per-token log-probs (``C`` the longest continuation, 0-padded at the end).
+            Skipped entries are NaN (``"none"``: 0).
+        """
+        import torch
+
+        model = _model_kind(model)
+        ends = torch.as_tensor(ends, dtype=torch.long).cpu()
+        if ends.dim() != 2 or ends.shape[0] != self.num_completions:
+            raise ValueError(f"prefix_logps: ends must be (N={self.num_completions}, K), got {tuple(ends.shape)}")
+        if len(continuations) != self.num_completions:
+            raise ValueError(f"prefix_logps: {len(continuations)} continuations for {self.num_completions} completions")
+        if ends.numel() and int(ends.max()) > self.width:
+            raise ValueError(f"prefix_logps: an end ({int(ends.max())}) is past the completion width {self.width}")
+        if reduce not in ("sum", "mean", "none"):
+            raise ValueError("reduce must be 'sum', 'mean' or 'none'")
+        root = self.root
+        rows = list(range(self.num_completions)) if self._rows is None else self._rows.tolist()
+        cache = root.token_cache.setdefault("prefix_logps", {})  # type: ignore[arg-type]
+        wanted = [(model, row, int(e), text) for i, (row, text) in enumerate(zip(rows, continuations))
+                  for e in ends[i].tolist() if e >= 0]
+        todo = list(dict.fromkeys(key for key in wanted if key not in cache))
+        if todo:
+            if root.scorer is None or not hasattr(root.scorer, "prefix_logps"):
+                raise RuntimeError("prefix scoring needs a model; in tests pass `prefix_logps_fn=` to "
+                                   "trl_credit.testing.make_batch")
+            scores = root.scorer.prefix_logps([k[1] for k in todo], [k[2] for k in todo], [k[3] for k in todo], model)
+            cache.update(zip(todo, scores))
+        width = max((len(cache[key]) for key in wanted), default=0)
+        n, k = ends.shape
+        out = torch.zeros(n, k, width) if reduce == "none" else torch.full((n, k), math.nan)
+        for i, (row, text) in enumerate(zip(rows, continuations)):  # gathers cached results: no model work here
+            for j, e in enumerate(ends[i].tolist()):
+                if e < 0:
+                    continue
+                values = cache[(model, row, int(e), text)]
+                if reduce == "none":
+                    out[i, j, : len(values)] = values
+                else:
+                    out[i, j] = values.sum() / (max(len(values), 1) if reduce == "mean" else 1)
+        return out.to(self.device)
 
     # ----------------------------------------------------------------- views
     def select(self, rows: torch.Tensor) -> RolloutBatch:

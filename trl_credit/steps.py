@@ -60,6 +60,7 @@ __all__ = [
     "resolve_step_scorer",
     "score_steps",
     "split_steps",
+    "step_ends",
     "step_scores",
     "token_char_offsets",
     "token_steps",
@@ -268,6 +269,33 @@ def token_steps(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN,
     result = (torch.where(real, index, -1).to(torch.long), steps)
     batch.token_cache[key] = result  # type: ignore[assignment]
     return result
+
+
+def step_ends(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN, max_steps: int | None = None) -> torch.Tensor:
+    """``(N, K)`` long: the completion-token position just past each step (delimiter included), -1 past a row's steps.
+
+    The prefix "up to the end of step k" of row ``i`` is ``completion_ids[i, :ends[i, k]]``: what
+    `RolloutBatch.prefix_logps` scores a continuation after (IGPO, TRACE, P2S). Steps come from
+    :func:`token_steps` with ``fill=True`` (a delimiter closes the step before it). ``max_steps``
+    keeps the last ``max_steps`` boundaries of each row (the last step ends the completion; earlier
+    ones are merged into the first kept step), which bounds the number of scored prefixes.
+    """
+    import torch
+
+    index, steps = token_steps(batch, pattern, fill=True)
+    n, width = index.shape
+    most = max((len(s) for s in steps), default=0)
+    ends = torch.full((n, max(most, 1)), -1, dtype=torch.long, device=index.device)
+    if most == 0 or width == 0:
+        return ends[:, :most]
+    position = torch.arange(1, width + 1, device=index.device).expand(n, width)
+    valid = index >= 0
+    ends.scatter_reduce_(1, index.clamp(min=0), torch.where(valid, position, -1), reduce="amax", include_self=True)
+    if max_steps is not None and most > max_steps:
+        counts = (ends >= 0).sum(1, keepdim=True)
+        keep = torch.arange(most, device=index.device).unsqueeze(0) + (counts - max_steps).clamp(min=0)
+        ends = torch.where(keep < counts, ends.gather(1, keep.clamp(max=most - 1)), -1)[:, :max_steps]
+    return ends
 
 
 # ----------------------------------------------------------------------------------------- scorers

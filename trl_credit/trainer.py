@@ -556,6 +556,48 @@ class TrainerScorer:
         return list(result.cpu().unbind(0))
 
 
+    def prefix_logps(self, rows, ends, continuations, model):
+        """Continuations after prompt + completion prefixes: each rank scores the entries of its own rows."""
+        t, out, acc = self.trainer, self.output, self.trainer.accelerator
+        tok = t._tokenizer
+        local_n = out["completion_ids"].shape[0]
+        start_row = acc.process_index * local_n
+        cont = [tok(text, add_special_tokens=False)["input_ids"] for text in continuations]
+        longest = max((len(c) for c in cont), default=0)
+        result = torch.zeros(len(rows), max(longest, 1), device=acc.device)
+        mine = [j for j, row in enumerate(rows) if start_row <= row < start_row + local_n]
+        chunk = max(1, t.args.per_device_train_batch_size)
+        clock = time.perf_counter()
+        for begin in range(0, len(mine), chunk):
+            idx = mine[begin:begin + chunk]
+            seqs = []
+            for j in idx:  # prompt (unpadded) + the first ends[j] sampled completion ids + the continuation
+                local = rows[j] - start_row
+                prompt = out["prompt_ids"][local][out["prompt_mask"][local].bool()].tolist()
+                seqs.append(prompt + out["completion_ids"][local, : ends[j]].tolist() + cont[j])
+            width = max(len(x) for x in seqs)
+            keep = max(max(len(cont[j]) for j in idx), 1)
+            ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+            att = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, x in enumerate(seqs):  # left padding: every continuation ends at the last column
+                ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
+                att[i, width - len(x):] = 1
+            scorer = TrainerScorer(t, {"prompt_ids": ids[:, : width - keep].to(acc.device),
+                                       "prompt_mask": att[:, : width - keep].to(acc.device),
+                                       "completion_ids": ids[:, width - keep:].to(acc.device),
+                                       "completion_mask": att[:, width - keep:].to(acc.device)})
+            logps, _ = scorer._forward(use_reference=(model == "reference"), adapter=_adapter_kind(model))
+            for i, j in enumerate(idx):
+                n = len(cont[j])
+                if n:
+                    result[j, :n] = logps[i, keep - n:].float().to(result.device)
+        if acc.num_processes > 1:  # every entry is scored by exactly one rank
+            result = acc.reduce(result, reduction="sum")
+        metrics = t._metrics["train"]
+        metrics["trl_credit/cost/prefix_seconds"].append(time.perf_counter() - clock)
+        metrics["trl_credit/cost/prefix_sequences"].append(float(len(rows)))
+        return [result[j, : len(cont[j])].cpu() for j in range(len(rows))]
+
     def update_adapter(self, kind, rows, loss_fn, width):
         """One optimiser step of an auxiliary adapter on ``rows`` of the batch: this rank's own rows, with grad."""
         t, out, acc = self.trainer, self.output, self.trainer.accelerator

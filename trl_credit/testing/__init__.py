@@ -139,6 +139,15 @@ class _StaticScorer:
             raise RuntimeError("the plugin asked for continuation log-probs; pass `continuation_fn=` to make_batch")
         return [torch.as_tensor(fn(p, c, model), dtype=torch.float32) for p, c in zip(prefixes, continuations)]
 
+    def prefix_logps(self, rows, ends, continuations, model):
+        model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
+        fn = self.tensors.get("prefix_logps_fn")
+        if fn is None:
+            raise RuntimeError("the plugin asked for continuation log-probs after completion prefixes; pass "
+                               "`prefix_logps_fn=` to make_batch")
+        return [torch.as_tensor(fn(row, end, text, model), dtype=torch.float32).reshape(-1)
+                for row, end, text in zip(rows, ends, continuations)]
+
     def completion_logps(self, rows, prompts, model, width):
         model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
         fn = self.tensors.get("completion_logps_fn")
@@ -166,6 +175,7 @@ def make_batch(
     ref_logps: torch.Tensor | None = None,
     continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
     completion_logps_fn: Callable[[int, Any, str], Sequence[float]] | None = None,
+    prefix_logps_fn: Callable[[int, int, str, str], Sequence[float]] | None = None,
     tool_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
     prompt_index: Sequence[int] | None = None,
@@ -193,7 +203,9 @@ def make_batch(
     Scores (no model): ``logps``, ``entropies``, ``ref_logps`` ``(N, T)``; ``adapters``: ``{name: (N, T)}``
     log-probs under a plugin's auxiliary adapters (``"*"``: any name), whose ``update`` calls are recorded
     (`PluginResult.adapter_updates`); ``continuation_fn(prefix, continuation, model)`` and
-    ``completion_logps_fn(row, prompt, model)`` (an adapter's ``model`` is its name).
+    ``completion_logps_fn(row, prompt, model)`` and ``prefix_logps_fn(row, end, continuation, model)`` (per-token
+    log-probs of ``continuation`` after row ``row``'s first ``end`` completion tokens; an adapter's ``model`` is
+    its name).
 
     ``tokenizer``: a real tokenizer (its pad and EOS ids are used), or None for a stand-in with
     ``pad_token_id`` (default 0) and ``eos_token_id`` (default: the pad id, as SmolLM2 and many others).
@@ -293,6 +305,8 @@ def make_batch(
         tensors["continuation_fn"] = continuation_fn
     if completion_logps_fn is not None:
         tensors["completion_logps_fn"] = completion_logps_fn
+    if prefix_logps_fn is not None:
+        tensors["prefix_logps_fn"] = prefix_logps_fn
     for name, values in (("prompts", prompts), ("completions", completions), ("prompt_index", prompt_index),
                          *((f"columns[{key!r}]", v) for key, v in (columns or {}).items())):
         if values is not None and len(values) != n:
