@@ -1,0 +1,174 @@
+"""IGPO: information-gain policy optimisation, on the steps of single completions.
+
+Method. Each turn of a trajectory is rewarded by how much it raised the policy's own belief in the gold
+answer: the gold answer is teacher-forced after the prefix that ends each turn, and the turn's reward is the
+gain in its (geometric-mean) token probability. The final turn gets the task's outcome. All turn rewards of a
+group are normalised together and accumulated backwards, so an early turn is credited with what it enabled.
+Here a "turn" is a step of a single completion (segments between delimiters, `trl_credit.step_ends`); the
+multi-turn mode on TRL's tool and environment rollouts comes with the turn-credit work.
+
+Formula (completion ``i`` with ``c_i`` turns, ``e_ik`` the token position just past turn ``k``)::
+
+    P_ik = exp(mean_{t in gold tokens} log pi(gold_t | prompt, y_i[:e_ik], cue, gold_<t))   k = 0 .. c_i - 1
+                                                                       (e_i0 = 0: before the first turn)
+    r_ik = P_ik - P_i,k-1                        k = 1 .. c_i - 1   (information gain of turn k)
+    r_ic = o_i                                   the last turn: the outcome
+    mode "joint":    z = (r - mu_g) / (sigma_g + 1e-6) over every turn reward of the group,
+                     sigma_g = sqrt(mean (r - mu_g)^2 + 1e-8)           (population)
+    mode "separate": the same, over the group's IG rewards and its outcomes apart
+    A_ik = z_ik + gamma * A_i,k+1                (accumulated backwards; gamma = 1)
+    A_it = A_ik for every token t of turn k
+
+``cue`` is the text between the prefix and the gold answer (IGPO's pseudo-response up to the answer:
+``"\\nNow there's enough information to answer\\n</think>\\n<answer>\\n"``); only the gold answer's tokens are
+averaged.
+
+Source: methods.md 2.26: pseudo-response and ``gt_probs`` from ``GuoqingWang1/IGPO@bff163b7``
+(``scrl/llm_agent/generation.py``), joint normalisation and turn-level accumulation from the updated codebase
+``debajoycs98/IGPO@86601963`` (``verl/trainer/ppo/core_algos.py::compute_grpo_outcome_advantage``).
+
+Established: geometric-mean gold probability, IG = P_k - P_{k-1}, the outcome on the last turn, joint
+normalisation with population sigma, backward accumulation with gamma. Chosen: turn boundaries are explicit
+indices (the code detects turns by non-zero rewards, so an IG of exactly 0 merges its turn into the next;
+here it stays a turn of its own); a completion with no step (empty) has one turn holding only its outcome; a
+NaN outcome is left out of the pool and its turn gets 0; ``max_steps`` keeps the last ``max_steps`` steps of a
+long completion (earlier steps merge into the first kept one), bounding the scored prefixes per completion.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trl_credit import Plugin, hookimpl, step_ends, token_steps
+
+if TYPE_CHECKING:
+    import torch
+
+    from trl_credit import RolloutBatch
+
+__all__ = ["IGPO", "accumulate", "information_gain", "normalise"]
+
+IGPO_CUE = "\nNow there's enough information to answer\n</think>\n<answer>\n"
+
+
+def information_gain(p: torch.Tensor, turns: torch.Tensor, outcome: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn rewards ``(N, K)`` and their validity: ``P_k - P_{k-1}`` for ``k < c_i``, the outcome at ``c_i - 1``.
+
+    ``p`` ``(N, K)``: ``P_i0 .. P_i,K-1`` (entries past ``c_i - 1`` unused); ``turns`` ``(N,)`` = ``c_i >= 1``.
+    """
+    import torch
+
+    n, k = p.shape
+    position = torch.arange(k, device=p.device).unsqueeze(0)
+    gain = torch.cat([p[:, 1:] - p[:, :-1], torch.zeros(n, 1, device=p.device)], dim=1)  # column j: P_j+1 - P_j
+    # turn j (0-based) earns P_j+1 - P_j for j < c - 1; the last turn j = c - 1 earns the outcome
+    last = position == (turns - 1).unsqueeze(1)
+    rewards = torch.where(last, outcome.unsqueeze(1).to(p.dtype), gain)
+    valid = (position < turns.unsqueeze(1)) & ~(last & torch.isnan(outcome).unsqueeze(1))
+    return torch.where(valid, rewards, 0.0), valid
+
+
+def normalise(rewards: torch.Tensor, valid: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """``(r - mu_g) / (sigma_g + 1e-6)`` over the valid turn rewards of each group (population sigma), 0 elsewhere."""
+    n, k = rewards.shape
+    r = rewards.reshape(-1, num_generations * k)
+    m = valid.reshape(-1, num_generations * k).to(rewards.dtype)
+    count = m.sum(1, keepdim=True).clamp(min=1)
+    mean = (r * m).sum(1, keepdim=True) / count
+    sigma = ((((r - mean) ** 2) * m).sum(1, keepdim=True) / count + 1e-8).sqrt()
+    return (((r - mean) / (sigma + 1e-6)) * m).reshape(n, k)
+
+
+def accumulate(z: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``A_k = z_k + gamma * A_{k+1}`` along the last dimension (entries past a row's turns are 0)."""
+    import torch
+
+    k = z.shape[1]
+    power = torch.arange(k, device=z.device)
+    lag = power.unsqueeze(0) - power.unsqueeze(1)  # [k, j] = j - k
+    discount = torch.where(lag >= 0, float(gamma) ** lag.clamp(min=0).to(z.dtype), 0.0)
+    return z @ discount.T
+
+
+class IGPO(Plugin):
+    """IGPO's estimator on step-segmented completions: information-gain step rewards, jointly normalised."""
+
+    name = "igpo"
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        column: str = Field("answer", description="dataset column with the gold answer")
+        cue: str = Field(IGPO_CUE, description="text teacher-forced between a prefix and the gold answer "
+                         "(IGPO's pseudo-response up to the answer); only the gold tokens are scored")
+        pattern: str = Field(r"\n+", description="regex separating steps (turns) in a completion")
+        max_steps: int = Field(8, ge=1, description="at most this many turns per completion (the last ones; "
+                               "earlier steps merge into the first kept): bounds the scored prefixes")
+        mode: Literal["joint", "separate"] = Field("joint", description="normalise IG rewards and outcomes "
+                                                   "together (joint) or apart (separate)")
+        gamma: float = Field(1.0, ge=0.0, le=1.0, description="turn-level discount of the backward accumulation")
+        model: Literal["policy", "reference"] = Field("policy", description="model whose gold probability is read")
+        reward: str | None = Field(None, description="outcome reward column; null: the total reward")
+
+    def required_columns(self):
+        return [self.config.column]
+
+    def required_rewards(self):
+        return [self.config.reward] if self.config.reward else []
+
+    def gold_probability(self, batch: RolloutBatch, ends: torch.Tensor) -> torch.Tensor:
+        """``(N, K)`` P: exp of the mean log-prob of the gold tokens after each prefix (NaN where ``ends < 0``)."""
+        import torch
+
+        cue = self.config.cue
+        gold = [str(a) for a in batch.column(self.config.column)]
+        tok = batch.tokenizer
+        cue_len = len(tok(cue, add_special_tokens=False)["input_ids"]) if cue else 0
+        lengths = torch.tensor([len(tok(cue + g, add_special_tokens=False)["input_ids"]) for g in gold])
+        per_token = batch.prefix_logps(ends, [cue + g for g in gold], model=self.config.model, reduce="none")
+        width = per_token.shape[-1]
+        position = torch.arange(width, device=per_token.device)
+        lengths = lengths.to(per_token.device)
+        first = lengths.clamp(max=cue_len).unsqueeze(1)  # gold tokens: [cue_len, len(cue + gold))
+        is_gold = (position.unsqueeze(0) >= first) & (position.unsqueeze(0) < lengths.unsqueeze(1))  # (N, C)
+        count = is_gold.sum(1).clamp(min=1).to(per_token.dtype)
+        mean = (per_token * is_gold.unsqueeze(1)).sum(-1) / count.unsqueeze(1)
+        return torch.where(ends >= 0, mean.exp(), torch.nan)
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        import torch
+
+        cfg = self.config
+        ends = step_ends(batch, cfg.pattern, cfg.max_steps)  # (N, K') ends of the kept steps
+        n = batch.num_completions
+        steps = (ends >= 0).sum(1)
+        turns = steps.clamp(min=1)  # an empty completion: one turn, its outcome
+        k = max(int(turns.max()) if n else 1, 1)
+        # prefixes before each turn: 0, then the ends of all but the last step
+        before = torch.full((n, k), -1, dtype=torch.long, device=ends.device)
+        before[:, 0] = 0
+        if ends.shape[1] > 1:
+            inner = ends[:, : k - 1]
+            keep = torch.arange(inner.shape[1], device=ends.device).unsqueeze(0) < (steps - 1).unsqueeze(1)
+            before[:, 1: 1 + inner.shape[1]] = torch.where(keep, inner, -1)
+        p = self.gold_probability(batch, before).nan_to_num(0.0)
+        outcome = batch.reward(cfg.reward) if cfg.reward else batch.total_reward()
+        rewards, valid = information_gain(p, turns.to(p.device), outcome.to(p.device))
+        g = batch.num_generations
+        if cfg.mode == "joint":
+            z = normalise(rewards, valid, g)
+        else:
+            last = torch.arange(k, device=p.device).unsqueeze(0) == (turns.to(p.device) - 1).unsqueeze(1)
+            z = normalise(rewards, valid & ~last, g) + normalise(rewards, valid & last, g)
+        per_turn = accumulate(z, cfg.gamma)  # (N, K)
+        index, all_steps = token_steps(batch, cfg.pattern, fill=True)
+        offset = (torch.tensor([len(s) for s in all_steps], device=index.device) - cfg.max_steps).clamp(min=0)
+        turn = (index - offset.unsqueeze(1)).clamp(min=0, max=k - 1)  # merged early steps -> the first kept turn
+        advantages = per_turn.to(index.device).gather(1, turn) * (index >= 0)
+        gains = rewards[valid & (torch.arange(k, device=p.device).unsqueeze(0) < (turns.to(p.device) - 1).unsqueeze(1))]
+        if gains.numel():
+            self.log_metric(batch, "mean_information_gain", float(gains.mean()))
+        self.log_metric(batch, "turns", float(turns.float().mean()))
+        return advantages.float()

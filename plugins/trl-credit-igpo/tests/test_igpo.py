@@ -1,0 +1,138 @@
+"""IGPO: methods.md 2.26's vectors (information gain, joint normalisation, accumulation), the gold-token
+probability read from the prefix scorer, step broadcasting, edge cases, the contract and a real training run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from trl_credit.testing import check_plugin, make_batch, run_plugin, tiny_dataset, train_tiny
+from trl_credit_igpo import IGPO, IGPO_CUE, accumulate, information_gain, normalise
+
+TOKENIZER = None
+
+
+def tokenizer():
+    global TOKENIZER
+    if TOKENIZER is None:
+        from trl_credit.testing import tiny_model_path
+
+        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
+    return TOKENIZER
+
+
+def test_information_gain_vector():
+    rewards, valid = information_gain(torch.tensor([[0.1, 0.4, 0.5]]), torch.tensor([3]), torch.tensor([1.0]))
+    torch.testing.assert_close(rewards, torch.tensor([[0.3, 0.1, 1.0]]))  # IG [0.3, 0.1], then the outcome
+    assert valid.all()
+
+
+def test_joint_normalisation_and_accumulation_vector():
+    # c1 turn rewards [0.3, 0.1, F1 = 1.0], c2 [-0.05, F1 = 0.0]: mu = 0.27, sigma = sqrt(0.1476 + 1e-8) = 0.384187
+    rewards = torch.tensor([[0.3, 0.1, 1.0], [-0.05, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    z = normalise(rewards, valid, 2)
+    assert z[0, 2].item() == pytest.approx((1.0 - 0.27) / (math.sqrt(0.1476 + 1e-8) + 1e-6), abs=1e-6)
+    advantages = accumulate(z, 1.0)
+    torch.testing.assert_close(advantages, torch.tensor([[1.535705, 1.457618, 1.900109], [-1.535705, -0.702780, 0.0]]),
+                               atol=1e-5, rtol=0)
+    half = accumulate(z, 0.5)  # A_k = z_k + 0.5 A_k+1
+    assert half[0, 0].item() == pytest.approx(z[0, 0].item() + 0.5 * (z[0, 1].item() + 0.5 * z[0, 2].item()), abs=1e-6)
+
+
+TEXTS = ["1 + 1 = 2\nso 2 + 3 = 5\n5", "2 + 3 = 5\n5"]  # three steps, two steps
+P = {0: [0.1, 0.4, 0.5], 1: [0.2, 0.15]}  # gold probability before each turn
+
+
+def igpo_batch(texts=TEXTS, outcome=(1.0, 0.0), p=P, **kw):
+    tok = tokenizer()
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    boundaries = {}  # (row, prefix end) -> P
+
+    def prefix_logps_fn(row, end, text, model):
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        return [math.log(boundaries[(row, end)])] * n  # every token (cue and gold) at log P: the gold mean is log P
+
+    batch = make_batch(list(outcome), len(texts), completion_ids=ids, completions=texts, tokenizer=tok,
+                       columns={"answer": ["5"] * len(texts)}, prefix_logps_fn=prefix_logps_fn, **kw)
+    from trl_credit import step_ends
+
+    ends = step_ends(batch)
+    for row, values in p.items():
+        before = [0] + [e for e in ends[row].tolist() if e >= 0][:-1]
+        for end, value in zip(before, values):
+            boundaries[(row, end)] = value
+    return batch, ids
+
+
+def test_end_to_end_advantages_on_the_tokens_of_each_step():
+    batch, ids = igpo_batch()
+    result = run_plugin(IGPO, batch)
+    a = result.advantages
+    expected = [[1.535705, 1.457618, 1.900109], [-1.535705, -0.702780]]
+    from trl_credit import token_steps
+
+    index, _ = token_steps(batch, r"\n+", fill=True)
+    for row in range(2):
+        for t in range(len(ids[row])):
+            assert a[row, t].item() == pytest.approx(expected[row][int(index[row, t])], abs=1e-4), (row, t)
+    assert result.metrics["igpo/mean_information_gain"] == pytest.approx((0.3 + 0.1 - 0.05) / 3, abs=1e-6)
+    assert result.metrics["igpo/turns"] == 2.5
+
+
+def test_the_gold_tokens_alone_are_averaged():
+    tok = tokenizer()
+    texts = ["a\nb"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    cue_len = len(tok(IGPO_CUE, add_special_tokens=False)["input_ids"])
+
+    def fn(row, end, text, model):  # cue tokens at -9 (must be ignored), gold tokens at log 0.5
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        return [-9.0] * cue_len + [math.log(0.5)] * (n - cue_len)
+
+    batch = make_batch([1.0, 0.0], 2, completion_ids=ids * 2, completions=texts * 2, tokenizer=tok,
+                       columns={"answer": ["12", "12"]}, prefix_logps_fn=fn)
+    plugin = IGPO()
+    p = plugin.gold_probability(batch, torch.tensor([[0, 1], [0, -1]]))
+    torch.testing.assert_close(p[0], torch.tensor([0.5, 0.5]))
+    assert p[1, 0].item() == pytest.approx(0.5) and math.isnan(p[1, 1])
+
+
+def test_separate_mode_normalises_gains_and_outcomes_apart():
+    batch, _ = igpo_batch()
+    a = run_plugin(IGPO, batch, {"mode": "separate"}).advantages
+    gains = torch.tensor([0.3, 0.1, -0.05])
+    zg = (gains - gains.mean()) / ((((gains - gains.mean()) ** 2).mean() + 1e-8).sqrt() + 1e-6)
+    outcomes = torch.tensor([1.0, 0.0])
+    zo = (outcomes - 0.5) / (math.sqrt(0.25 + 1e-8) + 1e-6)
+    # c2's last turn (its outcome) is its second step: A = zo[1]; its first step: zg[2] + zo[1]
+    assert a[1, -1].item() == pytest.approx(0.0)  # padding
+    expected_c1_first = zg[0] + zg[1] + zo[0]
+    assert a[0, 0].item() == pytest.approx(expected_c1_first.item(), abs=1e-4)
+
+
+def test_edge_cases_empty_completion_one_step_and_nan_outcome():
+    texts = ["1 + 1 = 2\n2", "2", "3", "4"]
+    batch, ids = igpo_batch(texts, outcome=(1.0, None, 0.0, 1.0), p={0: [0.2, 0.6], 1: [0.3], 2: [0.3], 3: [0.3]})
+    a = run_plugin(IGPO, batch).advantages
+    assert torch.isfinite(a).all()
+    assert torch.equal(a[1], torch.zeros_like(a[1]))  # NaN outcome: its only turn gets 0
+    # one-step completions hold only their outcome: pure outcome credit, sign of (o - mu)
+    assert a[2, 0] < 0 < a[3, 0]
+
+
+def test_contract():
+    batch, _ = igpo_batch()
+    check_plugin(IGPO, batches=[lambda: igpo_batch()[0]])
+
+
+def test_trains_on_the_tiny_model(tmp_path):
+    dataset = tiny_dataset(32)
+    trainer = train_tiny([{"name": "igpo", "max_steps": 3}], output_dir=tmp_path, dataset=dataset,
+                         max_completion_length=12)
+    logs = trainer.state.log_history[0]
+    assert math.isfinite(logs["trl_credit/igpo/turns"]) and logs["trl_credit/cost/prefix_sequences"] > 0
+    assert trainer.state.log_history[-1]["train_loss"] is not None
