@@ -34,7 +34,8 @@ ATTRIBUTES = ["_tokenizer", "_metrics", "_train_batch_size", "reward_func_names"
               "max_completion_length", "temperature"]
 #: module-level TRL names the host imports
 IMPORTS = {"trl.trainer.utils": ["RepeatSampler", "use_adapter", "nanstd"],
-           "trl.models.utils": ["disable_gradient_checkpointing"], "trl": ["GRPOTrainer", "GRPOConfig"]}
+           "trl.models.utils": ["disable_gradient_checkpointing", "unwrap_model_for_generation"],
+           "trl": ["GRPOTrainer", "GRPOConfig"]}
 #: output keys of _generate_and_score_completions the host reads or writes
 OUTPUT_KEYS = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"}
 

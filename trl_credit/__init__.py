@@ -7,7 +7,8 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
 - writing a plugin: `hookimpl`, `Plugin`, `Refill`, `RunInfo`, `ConfigError`
 - what hooks see: `RolloutBatch`, `PromptStats`, `LossInputs` (loss hooks; they return `LossWeights`);
   what `augment_rollouts` returns: `Augmentation`; prompt and group helpers: `with_context`,
-  `joint_advantages` (an augmented group and its source share one GRPO baseline)
+  `joint_advantages` (an augmented group and its source share one GRPO baseline); what `probe` returns:
+  `Probes`
 - shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
@@ -33,6 +34,7 @@ _LAZY = {
     "source_keys": "trl_credit.augment",
     "with_context": "trl_credit.augment",
     "Turns": "trl_credit.turns",
+    "Probes": "trl_credit.probes",
     "Adapter": "trl_credit.adapters",
     "AdapterHandle": "trl_credit.adapters",
     "LossInputs": "trl_credit.loss",

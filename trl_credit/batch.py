@@ -6,7 +6,7 @@ read-only for hooks: the pipeline stops a plugin that edits one of its tensors (
 place, because other plugins and TRL's loss read them.
 
 Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`, `completion_logps`,
-`prefix_logps`) are lazy: nothing
+`prefix_logps`, `probe`) are lazy: nothing
 runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
 computed (old log-probs, reference log-probs) is reused.
 """
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import torch
 
 if TYPE_CHECKING:
+    from trl_credit.probes import Probes
     from trl_credit.turns import Turns
 
 
@@ -41,6 +42,16 @@ class Scorer(Protocol):
     def prefix_logps(self, rows: Sequence[int], ends: Sequence[int], continuations: Sequence[str],
                      model: str) -> list[torch.Tensor]:
         """Per-token log-probs of ``continuations[j]`` after row ``rows[j]``'s prompt + first ``ends[j]`` tokens."""
+
+    def score_texts(self, rows: Sequence[int], inputs: Sequence[dict], prompts: Sequence[Any],
+                    texts: Sequence[str]) -> torch.Tensor:
+        """``(M, K)`` the run's reward functions on ``texts`` as completions of ``prompts`` (with ``inputs``' columns)."""
+
+    def probe(self, rows: Sequence[int], ends: Sequence[int], cues: Sequence[str], num_samples: int,
+              max_new_tokens: int, temperature: float, top_k: int, model: str) -> list[dict[str, Any]]:
+        """Sampled continuations after row ``rows[j]``'s prompt + first ``ends[j]`` tokens + ``cues[j]`` (see
+        `RolloutBatch.probe`): per entry a dict of ``tokens``, ``mask``, ``logps`` ``(S, L)``, ``topk_ids``,
+        ``topk_logps`` ``(S, L, k)`` and ``texts``."""
 
 
 @dataclass
@@ -352,6 +363,90 @@ class RolloutBatch:
                 else:
                     out[i, j] = values.sum() / (max(len(values), 1) if reduce == "mean" else 1)
         return out.to(self.device)
+
+    def probe(self, ends: torch.Tensor, cue: str | Sequence[str], num_samples: int = 5, max_new_tokens: int = 10,
+              temperature: float = 1.0, top_k: int = 20, model: Any = "policy") -> Probes:
+        """Sample ``num_samples`` short continuations after row ``i``'s prompt, its first ``ends[i, k]`` completion
+        tokens and ``cue``, for every ``k`` (`trl_credit.Probes`: ids, log-probs, top-``k`` alternatives, texts).
+
+        Answer probes after each step (SPAE), a forced answer at a budget (MRT). No-grad Hugging Face
+        generation on the training model, under its own random stream (TRL's sampling is unaffected),
+        batched, cached per arguments; cost logged as ``trl_credit/cost/probe_seconds`` and ``probe_tokens``.
+
+        :param ends: ``(N, K)`` long prefix lengths in completion tokens; entries < 0 are not probed.
+        :param cue: text appended after each prefix (one for all rows, or one per row).
+        :param model: ``"policy"``, ``"reference"`` or one of the plugin's adapters (``self.adapter(name)``).
+        """
+        import torch
+
+        from trl_credit.probes import Probes
+
+        model = _model_kind(model)
+        ends = torch.as_tensor(ends, dtype=torch.long).cpu()
+        n = self.num_completions
+        if ends.dim() != 2 or ends.shape[0] != n:
+            raise ValueError(f"probe: ends must be (N={n}, K), got {tuple(ends.shape)}")
+        if ends.numel() and int(ends.max()) > self.width:
+            raise ValueError(f"probe: an end ({int(ends.max())}) is past the completion width {self.width}")
+        cues = [cue] * n if isinstance(cue, str) else list(cue)
+        if len(cues) != n:
+            raise ValueError(f"probe: {len(cues)} cues for {n} completions")
+        if num_samples < 1 or max_new_tokens < 1 or top_k < 1:
+            raise ValueError("probe: num_samples, max_new_tokens and top_k must be >= 1")
+        root = self.root
+        rows = list(range(n)) if self._rows is None else self._rows.tolist()
+        settings = (model, num_samples, max_new_tokens, float(temperature), top_k)
+        cache = root.token_cache.setdefault("probes", {})  # type: ignore[arg-type]
+        wanted = [(settings, row, int(e), text) for i, (row, text) in enumerate(zip(rows, cues))
+                  for e in ends[i].tolist() if e >= 0]
+        todo = list(dict.fromkeys(key for key in wanted if key not in cache))
+        if todo:
+            if root.scorer is None or not hasattr(root.scorer, "probe"):
+                raise RuntimeError("probes need a model; in tests pass `probe_fn=` to trl_credit.testing.make_batch")
+            samples = root.scorer.probe([k[1] for k in todo], [k[2] for k in todo], [k[3] for k in todo],
+                                        num_samples, max_new_tokens, float(temperature), top_k, model)
+            cache.update(zip(todo, samples))
+        k = ends.shape[1]
+        shape = (n, k, num_samples, max_new_tokens)
+        out = {"tokens": torch.full(shape, self.pad_token_id or 0, dtype=torch.long),
+               "mask": torch.zeros(shape, dtype=torch.long), "logps": torch.zeros(shape),
+               "topk_ids": torch.full((*shape, top_k), -1, dtype=torch.long), "topk_logps": torch.full(
+                   (*shape, top_k), -math.inf)}
+        texts: list = [[None] * k for _ in range(n)]
+        valid = ends >= 0
+        for i, (row, text) in enumerate(zip(rows, cues)):  # gathers cached samples: no model work here
+            for j, e in enumerate(ends[i].tolist()):
+                if e >= 0:
+                    sample = cache[(settings, row, int(e), text)]
+                    for name in out:
+                        out[name][i, j] = sample[name]
+                    texts[i][j] = list(sample["texts"])
+        device = self.device
+        return Probes(valid=valid.to(device), texts=texts, **{name: t.to(device) for name, t in out.items()})
+
+    def score_texts(self, rows: Sequence[int] | torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
+        """``(M, K)`` the run's own reward functions on new completion texts for rows ``rows`` of this batch.
+
+        The texts are scored as completions of row ``rows[j]``'s prompt, with its dataset columns, through
+        TRL's ``_calculate_rewards`` (conversational prompts get ``[{"role": "assistant", "content": text}]``),
+        so a probe's forced answer (MRT) is judged exactly as a rollout. NaN where a function returned None.
+        Collective: every rank must call it with the same arguments.
+        """
+        import torch
+
+        rows = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
+        if len(rows) != len(texts):
+            raise ValueError(f"score_texts: {len(rows)} rows for {len(texts)} texts")
+        if not rows:
+            return torch.zeros(0, len(self.reward_names), device=self.device)
+        root = self.root
+        if root.scorer is None or not hasattr(root.scorer, "score_texts"):
+            raise RuntimeError("score_texts needs the run's reward functions; in tests pass `score_fn=` to "
+                               "trl_credit.testing.make_batch")
+        base = [row if self._rows is None else int(self._rows[row]) for row in rows]
+        prompts = [self.prompts[r] for r in rows]
+        inputs = [{"prompt": self.prompts[r], **{k: v[r] for k, v in self.columns.items()}} for r in rows]
+        return root.scorer.score_texts(base, inputs, prompts, list(texts)).to(self.device)
 
     # ----------------------------------------------------------------- views
     def select(self, rows: torch.Tensor) -> RolloutBatch:

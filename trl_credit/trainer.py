@@ -598,6 +598,95 @@ class TrainerScorer:
         metrics["trl_credit/cost/prefix_sequences"].append(float(len(rows)))
         return [result[j, : len(cont[j])].cpu() for j in range(len(rows))]
 
+    def score_texts(self, rows, inputs, prompts, texts):
+        """TRL's ``_calculate_rewards`` (GRPOTrainer's own, not the host's stash) on an equal share per rank."""
+        t, acc = self.trainer, self.trainer.accelerator
+        world, rank = acc.num_processes, acc.process_index
+        m = len(texts)
+        padded = list(range(m)) + [m - 1] * (-m % world)  # every rank scores the same count (TRL gathers)
+        share = len(padded) // world
+        mine = padded[rank * share:(rank + 1) * share]
+        conversational = isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": texts[j]}] if conversational else texts[j] for j in mine]
+        ids = [t._tokenizer(texts[j], add_special_tokens=False)["input_ids"] for j in mine]
+        clock = time.perf_counter()
+        rewards = GRPOTrainer._calculate_rewards(t, [copy.deepcopy(inputs[j]) for j in mine],
+                                                 [prompts[j] for j in mine], completions, ids)
+        t._metrics["train"]["trl_credit/cost/score_texts_seconds"].append(time.perf_counter() - clock)
+        return rewards[:m].float().cpu()
+
+    def probe(self, rows, ends, cues, num_samples, max_new_tokens, temperature, top_k, model):
+        """Hugging Face sampling after prompt + prefix + cue: each rank its own rows, under a forked random stream."""
+        from transformers import GenerationConfig
+        from trl.models.utils import unwrap_model_for_generation
+
+        t, out, acc = self.trainer, self.output, self.trainer.accelerator
+        tok = t._tokenizer
+        local_n = out["completion_ids"].shape[0]
+        start_row = acc.process_index * local_n
+        s, length, k = num_samples, max_new_tokens, top_k
+        m = len(rows)
+        tokens = torch.zeros((m, s, length), dtype=torch.long, device=acc.device)  # zeros: summed over ranks
+        mask = torch.zeros((m, s, length), dtype=torch.long, device=acc.device)
+        logps = torch.zeros((m, s, length), device=acc.device)
+        top_ids = torch.zeros((m, s, length, k), dtype=torch.long, device=acc.device)
+        top_logps = torch.zeros((m, s, length, k), device=acc.device)
+        mine = [j for j, row in enumerate(rows) if start_row <= row < start_row + local_n]
+        chunk = max(1, t.args.per_device_train_batch_size // s)
+        config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=length,
+                                  num_return_sequences=s, return_dict_in_generate=True, output_logits=True,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        clock = time.perf_counter()
+        with torch.random.fork_rng(), unwrap_model_for_generation(
+                t.model_wrapped, acc, gradient_checkpointing_kwargs=t.args.gradient_checkpointing_kwargs) as gen, \
+                torch.no_grad():
+            torch.manual_seed(int(t.args.seed) * 1_000_003 + t.state.global_step * 101 + acc.process_index)
+            for begin in range(0, len(mine), chunk):
+                idx = mine[begin:begin + chunk]
+                seqs = []
+                for j in idx:  # prompt (unpadded) + the first ends[j] sampled ids + the cue
+                    local = rows[j] - start_row
+                    prompt = out["prompt_ids"][local][out["prompt_mask"][local].bool()].tolist()
+                    seqs.append(prompt + out["completion_ids"][local, : ends[j]].tolist()
+                                + tok(cues[j], add_special_tokens=False)["input_ids"])
+                width = max(len(x) for x in seqs)
+                ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+                att = torch.zeros((len(seqs), width), dtype=torch.long)
+                for i, x in enumerate(seqs):  # left padding, as TRL generates
+                    ids[i, width - len(x):] = torch.tensor(x, dtype=torch.long)
+                    att[i, width - len(x):] = 1
+                with _model_for(t, gen, model):
+                    result = gen.generate(input_ids=ids.to(acc.device), attention_mask=att.to(acc.device),
+                                          generation_config=config)
+                new = result.sequences[:, width:]  # (B * S, L')
+                steps = new.shape[1]
+                logp = torch.log_softmax(torch.stack(result.logits, dim=1).float(), dim=-1)  # (B * S, L', V)
+                chosen = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                best = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                is_eos = new == tok.eos_token_id
+                ended = (is_eos.cumsum(1) - is_eos.long()) > 0  # past the first EOS
+                valid = ~ended
+                target = torch.tensor(idx, device=acc.device)
+                shape = (len(idx), s, steps)
+                tokens[target, :, :steps] = (new * valid).view(shape)
+                mask[target, :, :steps] = valid.long().view(shape)
+                logps[target, :, :steps] = (chosen * valid).view(shape)
+                top_ids[target, :, :steps, : best.indices.shape[-1]] = best.indices.view(*shape, -1)
+                top_logps[target, :, :steps, : best.values.shape[-1]] = best.values.view(*shape, -1)
+        if acc.num_processes > 1:  # every entry is sampled by exactly one rank, the others hold zeros
+            tokens, mask, logps, top_ids, top_logps = (acc.reduce(x, reduction="sum")
+                                                       for x in (tokens, mask, logps, top_ids, top_logps))
+        tokens = torch.where(mask.bool(), tokens, tok.pad_token_id)
+        metrics = t._metrics["train"]
+        metrics["trl_credit/cost/probe_seconds"].append(time.perf_counter() - clock)
+        metrics["trl_credit/cost/probe_tokens"].append(float(mask.sum()))
+        top_logps = torch.where(mask.bool().unsqueeze(-1), top_logps, -float("inf"))
+        top_ids = torch.where(mask.bool().unsqueeze(-1), top_ids, -1)
+        texts = [[tok.decode(tokens[j, i][mask[j, i].bool()], skip_special_tokens=True) for i in range(s)]
+                 for j in range(m)]
+        return [{"tokens": tokens[j].cpu(), "mask": mask[j].cpu(), "logps": logps[j].cpu(),
+                 "topk_ids": top_ids[j].cpu(), "topk_logps": top_logps[j].cpu(), "texts": texts[j]} for j in range(m)]
+
     def update_adapter(self, kind, rows, loss_fn, width):
         """One optimiser step of an auxiliary adapter on ``rows`` of the batch: this rank's own rows, with grad."""
         t, out, acc = self.trainer, self.output, self.trainer.accelerator
@@ -631,6 +720,19 @@ class TrainerScorer:
         result["logps"] = reduce(scores).cpu()  # every row is computed by exactly one rank
         t._metrics["train"][f"trl_credit/cost/{kind[len(KIND_PREFIX):]}_update_seconds"].append(result.pop("seconds"))
         return result
+
+
+def _model_for(trainer: CreditGRPOTrainer, model: Any, kind: str):
+    """The context that makes ``model`` (a PEFT model or not) run as ``kind``: the policy, the reference, an adapter."""
+    import contextlib
+
+    if kind == "policy":
+        return contextlib.nullcontext()
+    if kind == "reference":
+        if not hasattr(model, "peft_config"):
+            raise RuntimeError("reference probes need a PEFT policy (the reference is the base with adapters off)")
+        return use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)
+    return use_adapter(model, adapter_name=peft_name(kind))
 
 
 def _adapter_kind(model: Any) -> str | None:

@@ -148,6 +148,40 @@ class _StaticScorer:
         return [torch.as_tensor(fn(row, end, text, model), dtype=torch.float32).reshape(-1)
                 for row, end, text in zip(rows, ends, continuations)]
 
+    def score_texts(self, rows, inputs, prompts, texts):
+        fn = self.tensors.get("score_fn")
+        if fn is None:
+            raise RuntimeError("the plugin scores new texts with the run's rewards; pass `score_fn=` to make_batch")
+        values = [fn(row, text) for row, text in zip(rows, texts)]
+        return torch.tensor([[math.nan if v is None else float(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+                             for x in values], dtype=torch.float32)
+
+    def probe(self, rows, ends, cues, num_samples, max_new_tokens, temperature, top_k, model):
+        model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
+        fn = self.tensors.get("probe_fn")
+        if fn is None:
+            raise RuntimeError("the plugin asked for probe samples; pass `probe_fn=` to make_batch")
+        out = []
+        shape = (num_samples, max_new_tokens)
+        for row, end, cue in zip(rows, ends, cues):
+            given = fn(row, end, cue, model)  # {"tokens": S x L' ids, "topk_ids"/"topk_logps": S x L' x k', ...}
+            tokens = torch.as_tensor(given["tokens"], dtype=torch.long)
+            s, steps = tokens.shape
+            mask = torch.as_tensor(given.get("mask", torch.ones(s, steps)), dtype=torch.long)
+            sample = {"tokens": torch.zeros(shape, dtype=torch.long), "mask": torch.zeros(shape, dtype=torch.long),
+                      "logps": torch.zeros(shape), "topk_ids": torch.full((*shape, top_k), -1, dtype=torch.long),
+                      "topk_logps": torch.full((*shape, top_k), -math.inf)}
+            sample["tokens"][:s, :steps], sample["mask"][:s, :steps] = tokens, mask
+            sample["logps"][:s, :steps] = torch.as_tensor(given.get("logps", torch.zeros(s, steps)), dtype=torch.float32)
+            if "topk_ids" in given:
+                ids = torch.as_tensor(given["topk_ids"], dtype=torch.long)
+                sample["topk_ids"][:s, :steps, : ids.shape[-1]] = ids
+                sample["topk_logps"][:s, :steps, : ids.shape[-1]] = torch.as_tensor(given["topk_logps"],
+                                                                                    dtype=torch.float32)
+            sample["texts"] = list(given.get("texts", [""] * s))
+            out.append(sample)
+        return out
+
     def completion_logps(self, rows, prompts, model, width):
         model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
         fn = self.tensors.get("completion_logps_fn")
@@ -176,6 +210,8 @@ def make_batch(
     continuation_fn: Callable[[str, str, str], Sequence[float]] | None = None,
     completion_logps_fn: Callable[[int, Any, str], Sequence[float]] | None = None,
     prefix_logps_fn: Callable[[int, int, str, str], Sequence[float]] | None = None,
+    probe_fn: Callable[[int, int, str, str], dict[str, Any]] | None = None,
+    score_fn: Callable[[int, str], Any] | None = None,
     tool_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
     prompt_index: Sequence[int] | None = None,
@@ -205,7 +241,10 @@ def make_batch(
     (`PluginResult.adapter_updates`); ``continuation_fn(prefix, continuation, model)`` and
     ``completion_logps_fn(row, prompt, model)`` and ``prefix_logps_fn(row, end, continuation, model)`` (per-token
     log-probs of ``continuation`` after row ``row``'s first ``end`` completion tokens; an adapter's ``model`` is
-    its name).
+    its name); ``probe_fn(row, end, cue, model)`` returns one prefix's probe samples as a dict: ``tokens``
+    ``(S, L')`` and optionally ``mask``, ``logps`` ``(S, L')``, ``topk_ids`` / ``topk_logps`` ``(S, L', k')``,
+    ``texts`` (`RolloutBatch.probe` pads them to its ``max_new_tokens`` and ``top_k``); ``score_fn(row, text)``
+    returns the reward (or one per reward column) of a new text for row ``row`` (`RolloutBatch.score_texts`).
 
     ``tokenizer``: a real tokenizer (its pad and EOS ids are used), or None for a stand-in with
     ``pad_token_id`` (default 0) and ``eos_token_id`` (default: the pad id, as SmolLM2 and many others).
@@ -307,6 +346,10 @@ def make_batch(
         tensors["completion_logps_fn"] = completion_logps_fn
     if prefix_logps_fn is not None:
         tensors["prefix_logps_fn"] = prefix_logps_fn
+    if probe_fn is not None:
+        tensors["probe_fn"] = probe_fn
+    if score_fn is not None:
+        tensors["score_fn"] = score_fn
     for name, values in (("prompts", prompts), ("completions", completions), ("prompt_index", prompt_index),
                          *((f"columns[{key!r}]", v) for key, v in (columns or {}).items())):
         if values is not None and len(values) != n:
