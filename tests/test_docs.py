@@ -175,6 +175,14 @@ def test_yaml_snippets_validate(page, line, snippet, tmp_path, monkeypatch):
             "    reward.__name__ = name\n"
             "    return reward\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    # `runs/prime/checkpoint-200/tc_prime_prm`: the docs' placeholder for a saved adapter (what prime writes)
+    saved = tmp_path / "saved_prm"
+    saved.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (saved / name).write_text("{}")
+    for entry in data.get("plugins") or []:
+        if isinstance(entry, dict) and entry.get("path") == "runs/prime/checkpoint-200/tc_prime_prm":
+            entry["path"] = str(saved)
     installed = {**available(), "my_negative_only": _Defined("my_negative_only", _tutorial_plugin())}
     monkeypatch.setattr(config_module, "available", lambda include_builtins=True: installed)
     # a fragment runs on the user's own dataset (a hub id: its columns are not checked offline)

@@ -14,6 +14,9 @@ A plugin declares them with ``Plugin.adapters()`` (a list of `Adapter`) and reac
   process ends with the same adapter.
 - An ``ema_decay`` adapter is never trained: every ``ema_every`` optimiser steps the host sets
   ``w_ema <- d * w_ema + (1 - d) * w_policy`` for each LoRA weight (a slow reference).
+- A ``path`` adapter is loaded from a saved PEFT adapter folder (``adapter_config.json`` and
+  ``adapter_model.safetensors``; pickled ``.bin`` weights are refused: loading them could run code) and stays
+  frozen: a trained implicit PRM from a checkpoint (``checkpoint-N/tc_prime_prm``).
 
 The host (`AuxAdapters`) adds each adapter to the policy's PEFT model after TRL built it and before
 TRL's optimiser exists, frozen, so the policy's optimiser never holds its weights; its own AdamW has the
@@ -51,6 +54,7 @@ class Adapter:
     - ``lr`` (None: the run's ``learning_rate``), ``weight_decay``, ``max_grad_norm`` (None: no clip): its
       AdamW step.
     - ``ema_decay`` (0 < d < 1) and ``ema_every``: an EMA of the policy adapter instead of a trained one.
+    - ``path``: a saved PEFT adapter folder to load, frozen (``init`` is then ignored).
     """
 
     name: str
@@ -60,6 +64,7 @@ class Adapter:
     max_grad_norm: float | None = 1.0
     ema_decay: float | None = None
     ema_every: int = 1
+    path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -75,11 +80,30 @@ class Adapter:
             raise ValueError(f"adapter '{self.name}': ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.ema_every < 1:
             raise ValueError(f"adapter '{self.name}': ema_every must be >= 1, got {self.ema_every}")
+        if self.path is not None and self.ema_decay is not None:
+            raise ValueError(f"adapter '{self.name}': give path (a frozen saved adapter) or ema_decay, not both")
 
     @property
     def trained(self) -> bool:
-        """True when it has its own optimiser (not an EMA)."""
-        return self.ema_decay is None
+        """True when it has its own optimiser (not an EMA, not loaded frozen from a path)."""
+        return self.ema_decay is None and self.path is None
+
+    def check_path(self) -> str | None:
+        """What is wrong with ``path`` (None when it is usable or not set): checked before the model loads."""
+        import os
+
+        if self.path is None:
+            return None
+        if not os.path.isdir(self.path):
+            return f"adapter '{self.name}': path {self.path!r} is not a directory"
+        missing = [f for f in ("adapter_config.json", "adapter_model.safetensors")
+                   if not os.path.isfile(os.path.join(self.path, f))]
+        if missing:
+            pickled = os.path.isfile(os.path.join(self.path, "adapter_model.bin"))
+            return (f"adapter '{self.name}': {self.path!r} has no {' or '.join(missing)}"
+                    + ("; it has pickled adapter_model.bin weights, which are not loaded (unpickling can run "
+                       "code): re-save the adapter with safetensors" if pickled else ""))
+        return None
 
 
 def adapter_kind(owner: str, name: str) -> str:
@@ -173,14 +197,22 @@ class AuxAdapters:
         policy_params = dict(self._named(self.policy))
         for kind, spec in self.specs.items():
             name = peft_name(kind)
-            with torch.random.fork_rng():  # the policy run's random streams are left as they were
-                torch.manual_seed(0)
-                model.add_adapter(name, copy.deepcopy(policy_config))
+            if spec.path is not None:
+                problem = spec.check_path()
+                if problem:
+                    raise RuntimeError(problem)
+                model.load_adapter(spec.path, adapter_name=name, is_trainable=False)
+                if getattr(model.peft_config[name], "modules_to_save", None):
+                    raise RuntimeError(f"adapter {spec.path!r} has modules_to_save; only plain LoRA adapters load")
+            else:
+                with torch.random.fork_rng():  # the policy run's random streams are left as they were
+                    torch.manual_seed(0)
+                    model.add_adapter(name, copy.deepcopy(policy_config))
             model.set_adapter(self.policy)  # the policy stays active and trainable; the new adapter is frozen
             params = self._named(name)
             if not params:
                 raise RuntimeError(f"adapter {name}: PEFT created no weights for it")
-            if spec.init == "policy" or not spec.trained:
+            if spec.path is None and (spec.init == "policy" or not spec.trained):
                 with torch.no_grad():
                     for param_name, param in params:
                         param.copy_(policy_params[self._policy_name(param_name, name)])
@@ -240,7 +272,7 @@ class AuxAdapters:
         done = []
         policy = dict(self._named(self.policy))
         for kind, spec in self.specs.items():
-            if spec.trained or global_step % spec.ema_every:
+            if spec.ema_decay is None or global_step % spec.ema_every:
                 continue
             with torch.no_grad():
                 for param_name, param in self.params[kind]:

@@ -288,10 +288,13 @@ def check_reference(plugins: PluginSet, beta: float, peft: bool) -> None:
 
 
 def _adapter_problems(plugins: PluginSet, peft: bool) -> list[str]:
-    """Auxiliary adapters are LoRA adapters on the policy's base model: they need a PEFT policy."""
+    """Auxiliary adapters are LoRA adapters on the policy's base model: they need a PEFT policy; saved ones a usable path."""
+    paths = [f"plugins[{p.index}] ({p.name}): {problem}; fix: point the plugin's path option at a saved PEFT adapter "
+             "folder (adapter_config.json + adapter_model.safetensors)"
+             for p in plugins.plugins for a in p.members.adapters if (problem := a.check_path())]
     if peft:
-        return []
-    return [f"plugins[{p.index}] ({p.name}) trains the auxiliary adapter(s) "
+        return paths
+    return paths + [f"plugins[{p.index}] ({p.name}) trains the auxiliary adapter(s) "
             f"{', '.join(repr(a.name) for a in p.members.adapters)}, LoRA adapters on the policy's base model, but "
             "the policy is not a PEFT adapter: set `use_peft: true` in the config (`peft_config=LoraConfig(...)` "
             "in Python), optionally with `load_in_4bit: true` for QLoRA"
