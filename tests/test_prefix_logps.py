@@ -23,14 +23,16 @@ class AfterSteps(Plugin):
         gold = [" 42"] * batch.num_completions
         AfterSteps.seen = {"batch": batch, "ends": ends, "mean": batch.prefix_logps(ends, gold),
                            "none": batch.prefix_logps(ends, gold, reduce="none"),
-                           "ref": batch.prefix_logps(ends, gold, model="reference", reduce="sum")}
+                           "ref": batch.prefix_logps(ends, gold, model="reference", reduce="sum"),
+                           "context": batch.prefix_logps(ends, gold, reduce="none", context="\nThe answer is")}
 
 
-def _independent(trainer, batch, row, end, text, adapters=True):
+def _independent(trainer, batch, row, end, text, adapters=True, context=""):
     tok = trainer.processing_class
     prompt = tok.apply_chat_template(batch.prompts[row], add_generation_prompt=True, tokenize=True, return_dict=True)
     cont = tok(text, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([list(prompt["input_ids"]) + batch.completion_ids[row, :end].tolist() + cont])
+    ctx = tok(context, add_special_tokens=False)["input_ids"] if context else []
+    ids = torch.tensor([list(prompt["input_ids"]) + batch.completion_ids[row, :end].tolist() + ctx + cont])
     with torch.no_grad():
         if adapters:
             logits = trainer.model(input_ids=ids).logits[0, :-1]
@@ -60,6 +62,8 @@ def test_continuations_after_each_prefix_equal_independent_forward_passes(make_t
             expected = _independent(trainer, batch, row, end, " 42")
             torch.testing.assert_close(seen["none"][row, k, : len(expected)], expected, rtol=1e-4, atol=1e-5)
             assert seen["mean"][row, k].item() == pytest.approx(expected.mean().item(), abs=1e-5)
+            with_context = _independent(trainer, batch, row, end, " 42", context="\nThe answer is")
+            torch.testing.assert_close(seen["context"][row, k, : len(with_context)], with_context, rtol=1e-4, atol=1e-5)
             ref = _independent(trainer, batch, row, end, " 42", adapters=False)
             assert seen["ref"][row, k].item() == pytest.approx(ref.sum().item(), abs=1e-4)
             checked += 1

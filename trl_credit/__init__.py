@@ -9,7 +9,7 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
   what `augment_rollouts` returns: `Augmentation`; prompt and group helpers: `with_context`,
   `joint_advantages` (an augmented group and its source share one GRPO baseline); what `probe` returns:
   `Probes`
-- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`,
+- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `token_char_offsets`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
 - auxiliary LoRA adapters a plugin owns (`Plugin.adapters()`, `Plugin.adapter(name)`): `Adapter`,
@@ -44,6 +44,7 @@ _LAZY = {
     "split_steps": "trl_credit.steps",
     "token_steps": "trl_credit.steps",
     "step_ends": "trl_credit.steps",
+    "token_char_offsets": "trl_credit.steps",
     "step_scores": "trl_credit.steps",
     "score_steps": "trl_credit.steps",
     "resolve_step_scorer": "trl_credit.steps",

@@ -40,8 +40,9 @@ class Scorer(Protocol):
         """``(len(rows), width)`` log-probs of the batch's own completion tokens after other prompts."""
 
     def prefix_logps(self, rows: Sequence[int], ends: Sequence[int], continuations: Sequence[str],
-                     model: str) -> list[torch.Tensor]:
-        """Per-token log-probs of ``continuations[j]`` after row ``rows[j]``'s prompt + first ``ends[j]`` tokens."""
+                     model: str, contexts: Sequence[str]) -> list[torch.Tensor]:
+        """Per-token log-probs of ``continuations[j]`` after row ``rows[j]``'s prompt + first ``ends[j]`` tokens
+        + ``contexts[j]`` (not scored)."""
 
     def score_texts(self, rows: Sequence[int], inputs: Sequence[dict], prompts: Sequence[Any],
                     texts: Sequence[str]) -> torch.Tensor:
@@ -309,7 +310,7 @@ class RolloutBatch:
         return torch.stack([cache[key] for key in keys]).to(self.device) if keys else torch.zeros(0, self.width)
 
     def prefix_logps(self, ends: torch.Tensor, continuations: Sequence[str], model: Any = "policy",
-                     reduce: str = "mean") -> torch.Tensor:
+                     reduce: str = "mean", context: str | Sequence[str] | None = None) -> torch.Tensor:
         """Teacher-forced log-probs of ``continuations[i]`` after row ``i``'s prompt and its first ``ends[i, k]``
         completion tokens, for every ``k`` (no-grad, batched over the whole batch, cached).
 
@@ -325,6 +326,9 @@ class RolloutBatch:
         :param reduce: ``"sum"`` or ``"mean"`` over the continuation's tokens gives ``(N, K)``; ``"none"``
             gives ``(N, K, C)`` per-token log-probs (``C`` the longest continuation, 0-padded at the end).
             Skipped entries are NaN (``"none"``: 0).
+        :param context: text teacher-forced between the prefix and the continuation but not scored (a cue such
+            as IGPO's "Now there's enough information to answer"), one for all rows or one per row; it is
+            tokenised on its own, so the continuation's tokens are exactly those of its own text.
         """
         import torch
 
@@ -338,26 +342,31 @@ class RolloutBatch:
             raise ValueError(f"prefix_logps: an end ({int(ends.max())}) is past the completion width {self.width}")
         if reduce not in ("sum", "mean", "none"):
             raise ValueError("reduce must be 'sum', 'mean' or 'none'")
+        contexts = [context or ""] * self.num_completions if context is None or isinstance(context, str) \
+            else list(context)
+        if len(contexts) != self.num_completions:
+            raise ValueError(f"prefix_logps: {len(contexts)} contexts for {self.num_completions} completions")
         root = self.root
         rows = list(range(self.num_completions)) if self._rows is None else self._rows.tolist()
         cache = root.token_cache.setdefault("prefix_logps", {})  # type: ignore[arg-type]
-        wanted = [(model, row, int(e), text) for i, (row, text) in enumerate(zip(rows, continuations))
+        wanted = [(model, row, int(e), text, ctx) for i, (row, text, ctx) in enumerate(zip(rows, continuations, contexts))
                   for e in ends[i].tolist() if e >= 0]
         todo = list(dict.fromkeys(key for key in wanted if key not in cache))
         if todo:
             if root.scorer is None or not hasattr(root.scorer, "prefix_logps"):
                 raise RuntimeError("prefix scoring needs a model; in tests pass `prefix_logps_fn=` to "
                                    "trl_credit.testing.make_batch")
-            scores = root.scorer.prefix_logps([k[1] for k in todo], [k[2] for k in todo], [k[3] for k in todo], model)
+            scores = root.scorer.prefix_logps([k[1] for k in todo], [k[2] for k in todo], [k[3] for k in todo], model,
+                                              [k[4] for k in todo])
             cache.update(zip(todo, scores))
         width = max((len(cache[key]) for key in wanted), default=0)
         n, k = ends.shape
         out = torch.zeros(n, k, width) if reduce == "none" else torch.full((n, k), math.nan)
-        for i, (row, text) in enumerate(zip(rows, continuations)):  # gathers cached results: no model work here
+        for i, (row, text, ctx) in enumerate(zip(rows, continuations, contexts)):  # cached results: no model work
             for j, e in enumerate(ends[i].tolist()):
                 if e < 0:
                     continue
-                values = cache[(model, row, int(e), text)]
+                values = cache[(model, row, int(e), text, ctx)]
                 if reduce == "none":
                     out[i, j, : len(values)] = values
                 else:

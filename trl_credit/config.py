@@ -294,7 +294,7 @@ def _adapter_problems(plugins: PluginSet, peft: bool) -> list[str]:
              for p in plugins.plugins for a in p.members.adapters if (problem := a.check_path())]
     if peft:
         return paths
-    return paths + [f"plugins[{p.index}] ({p.name}) trains the auxiliary adapter(s) "
+    return paths + [f"plugins[{p.index}] ({p.name}) owns the auxiliary adapter(s) "
             f"{', '.join(repr(a.name) for a in p.members.adapters)}, LoRA adapters on the policy's base model, but "
             "the policy is not a PEFT adapter: set `use_peft: true` in the config (`peft_config=LoraConfig(...)` "
             "in Python), optionally with `load_in_4bit: true` for QLoRA"

@@ -556,13 +556,14 @@ class TrainerScorer:
         return list(result.cpu().unbind(0))
 
 
-    def prefix_logps(self, rows, ends, continuations, model):
+    def prefix_logps(self, rows, ends, continuations, model, contexts):
         """Continuations after prompt + completion prefixes: each rank scores the entries of its own rows."""
         t, out, acc = self.trainer, self.output, self.trainer.accelerator
         tok = t._tokenizer
         local_n = out["completion_ids"].shape[0]
         start_row = acc.process_index * local_n
         cont = [tok(text, add_special_tokens=False)["input_ids"] for text in continuations]
+        ctx = [tok(text, add_special_tokens=False)["input_ids"] if text else [] for text in contexts]
         longest = max((len(c) for c in cont), default=0)
         result = torch.zeros(len(rows), max(longest, 1), device=acc.device)
         mine = [j for j, row in enumerate(rows) if start_row <= row < start_row + local_n]
@@ -574,7 +575,7 @@ class TrainerScorer:
             for j in idx:  # prompt (unpadded) + the first ends[j] sampled completion ids + the continuation
                 local = rows[j] - start_row
                 prompt = out["prompt_ids"][local][out["prompt_mask"][local].bool()].tolist()
-                seqs.append(prompt + out["completion_ids"][local, : ends[j]].tolist() + cont[j])
+                seqs.append(prompt + out["completion_ids"][local, : ends[j]].tolist() + ctx[j] + cont[j])
             width = max(len(x) for x in seqs)
             keep = max(max(len(cont[j]) for j in idx), 1)
             ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)

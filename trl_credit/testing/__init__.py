@@ -139,7 +139,7 @@ class _StaticScorer:
             raise RuntimeError("the plugin asked for continuation log-probs; pass `continuation_fn=` to make_batch")
         return [torch.as_tensor(fn(p, c, model), dtype=torch.float32) for p, c in zip(prefixes, continuations)]
 
-    def prefix_logps(self, rows, ends, continuations, model):
+    def prefix_logps(self, rows, ends, continuations, model, contexts):  # the context is not passed to the fn
         model = model.rsplit("/", 1)[-1] if model.startswith("adapter:") else model
         fn = self.tensors.get("prefix_logps_fn")
         if fn is None:

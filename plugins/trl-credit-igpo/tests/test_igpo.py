@@ -83,22 +83,22 @@ def test_end_to_end_advantages_on_the_tokens_of_each_step():
     assert result.metrics["igpo/turns"] == 2.5
 
 
-def test_the_gold_tokens_alone_are_averaged():
+def test_the_cue_is_context_and_the_gold_tokens_alone_are_averaged():
     tok = tokenizer()
     texts = ["a\nb"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    cue_len = len(tok(IGPO_CUE, add_special_tokens=False)["input_ids"])
+    seen = []
 
-    def fn(row, end, text, model):  # cue tokens at -9 (must be ignored), gold tokens at log 0.5
-        n = len(tok(text, add_special_tokens=False)["input_ids"])
-        return [-9.0] * cue_len + [math.log(0.5)] * (n - cue_len)
+    def fn(row, end, text, model):  # the host passes the scored text only: the gold, without the cue
+        seen.append(text)
+        return [math.log(0.5), math.log(0.125)]
 
     batch = make_batch([1.0, 0.0], 2, completion_ids=ids * 2, completions=texts * 2, tokenizer=tok,
                        columns={"answer": ["12", "12"]}, prefix_logps_fn=fn)
-    plugin = IGPO()
-    p = plugin.gold_probability(batch, torch.tensor([[0, 1], [0, -1]]))
-    torch.testing.assert_close(p[0], torch.tensor([0.5, 0.5]))
-    assert p[1, 0].item() == pytest.approx(0.5) and math.isnan(p[1, 1])
+    p = IGPO().gold_probability(batch, torch.tensor([[0, 1], [0, -1]]))
+    torch.testing.assert_close(p[0], torch.tensor([0.25, 0.25]))  # exp(mean(log 0.5, log 0.125)) = 0.25
+    assert p[1, 0].item() == pytest.approx(0.25) and math.isnan(p[1, 1])
+    assert set(seen) == {"12"} and IGPO_CUE.strip()
 
 
 def test_separate_mode_normalises_gains_and_outcomes_apart():

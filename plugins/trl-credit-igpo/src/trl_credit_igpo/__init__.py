@@ -20,8 +20,8 @@ Formula (completion ``i`` with ``c_i`` turns, ``e_ik`` the token position just p
     A_it = A_ik for every token t of turn k
 
 ``cue`` is the text between the prefix and the gold answer (IGPO's pseudo-response up to the answer:
-``"\\nNow there's enough information to answer\\n</think>\\n<answer>\\n"``); only the gold answer's tokens are
-averaged.
+``"\\nNow there's enough information to answer\\n</think>\\n<answer>\\n"``), teacher-forced as unscored context
+(`RolloutBatch.prefix_logps` ``context=``); only the gold answer's own tokens are averaged.
 
 Source: methods.md 2.26: pseudo-response and ``gt_probs`` from ``GuoqingWang1/IGPO@bff163b7``
 (``scrl/llm_agent/generation.py``), joint normalisation and turn-level accumulation from the updated codebase
@@ -118,23 +118,11 @@ class IGPO(Plugin):
         return [self.config.reward] if self.config.reward else []
 
     def gold_probability(self, batch: RolloutBatch, ends: torch.Tensor) -> torch.Tensor:
-        """``(N, K)`` P: exp of the mean log-prob of the gold tokens after each prefix (NaN where ``ends < 0``)."""
-        import torch
-
-        cue = self.config.cue
+        """``(N, K)`` P: exp of the mean log-prob of the gold tokens after each prefix and the cue (NaN where
+        ``ends < 0``); the cue is context, not scored."""
         gold = [str(a) for a in batch.column(self.config.column)]
-        tok = batch.tokenizer
-        cue_len = len(tok(cue, add_special_tokens=False)["input_ids"]) if cue else 0
-        lengths = torch.tensor([len(tok(cue + g, add_special_tokens=False)["input_ids"]) for g in gold])
-        per_token = batch.prefix_logps(ends, [cue + g for g in gold], model=self.config.model, reduce="none")
-        width = per_token.shape[-1]
-        position = torch.arange(width, device=per_token.device)
-        lengths = lengths.to(per_token.device)
-        first = lengths.clamp(max=cue_len).unsqueeze(1)  # gold tokens: [cue_len, len(cue + gold))
-        is_gold = (position.unsqueeze(0) >= first) & (position.unsqueeze(0) < lengths.unsqueeze(1))  # (N, C)
-        count = is_gold.sum(1).clamp(min=1).to(per_token.dtype)
-        mean = (per_token * is_gold.unsqueeze(1)).sum(-1) / count.unsqueeze(1)
-        return torch.where(ends >= 0, mean.exp(), torch.nan)
+        mean = batch.prefix_logps(ends, gold, model=self.config.model, reduce="mean", context=self.config.cue)
+        return mean.exp()
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
