@@ -502,6 +502,7 @@ class TrainerScorer:
         results: list[tuple[int, list[float]]] = []
         device = acc.device
         chunk = max(1, t.args.per_device_train_batch_size)
+        clock = time.perf_counter()
         for start in range(0, len(mine), chunk):
             idx = mine[start:start + chunk]
             pre = [tok(prefixes[i], add_special_tokens=False)["input_ids"] for i in idx]
@@ -523,6 +524,8 @@ class TrainerScorer:
                 n = len(cont[j])
                 results.append((i, logps[j, keep - n:].float().cpu().tolist() if n else []))
         merged = dict(gather_object(results))
+        t._metrics["train"]["trl_credit/cost/continuation_seconds"].append(time.perf_counter() - clock)
+        t._metrics["train"]["trl_credit/cost/continuation_sequences"].append(float(len(prefixes)))
         return [torch.tensor(merged[i], dtype=torch.float32) for i in range(len(prefixes))]
 
 
