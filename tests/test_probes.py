@@ -117,3 +117,41 @@ def test_score_texts_in_the_kit():
 
     run_plugin(Uses, make_batch([1, 0, 1, 0], 2, score_fn=lambda row, text: [row, None]))
     assert Uses.out[0, 0].item() == 3.0 and math.isnan(Uses.out[0, 1])
+
+
+class Soft(Plugin):
+    seen: dict = {}
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        Soft.seen = {"batch": batch, "ref": batch.soft_values("reference"), "ref_logps": batch.ref_logps(),
+                     "policy": batch.soft_values("policy", temperature=0.5), "logps": batch.policy_logps()}
+
+
+def test_soft_values_are_the_logits_read_as_soft_q(make_trainer, arithmetic):
+    from peft import LoraConfig
+
+    trainer = make_trainer(plugins=[Soft], peft_config=LoraConfig(r=4, target_modules="all-linear",
+                                                                  init_lora_weights=False))
+    trainer.model.train()
+    torch.manual_seed(0)
+    trainer._generate_and_score_completions([copy.deepcopy(arithmetic[i // 4]) for i in range(8)])
+    seen = Soft.seen
+    batch = seen["batch"]
+    mask = batch.completion_mask.bool()
+    q, v = seen["ref"]
+    assert q.shape == batch.completion_ids.shape and v.shape == (q.shape[0], q.shape[1] + 1)
+    # Q_t - V_t is the token's log-prob at temperature 1: TRL's own reference log-probs (temperature 1 here)
+    torch.testing.assert_close((q - v[:, :-1])[mask], seen["ref_logps"][mask], rtol=1e-4, atol=1e-4)
+    # V after the last token: an independent forward pass of the reference (adapters off)
+    tok = trainer.processing_class
+    row = 0
+    length = int(batch.completion_lengths[row])
+    prompt = tok.apply_chat_template(batch.prompts[row], add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = torch.tensor([list(prompt["input_ids"]) + batch.completion_ids[row, :length].tolist()])
+    with torch.no_grad(), trainer.model.disable_adapter():
+        last = trainer.model(input_ids=ids).logits[0, -1].float()
+    assert v[row, length].item() == pytest.approx(torch.logsumexp(last, -1).item(), abs=1e-3)
+    q2, v2 = seen["policy"]  # another temperature: V = 0.5 * logsumexp(logits / 0.5)
+    assert not torch.allclose(v2, v) and torch.isfinite(v2).all()
+    assert trainer._metrics["train"]["trl_credit/cost/soft_values_seconds"]

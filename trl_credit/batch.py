@@ -6,7 +6,7 @@ read-only for hooks: the pipeline stops a plugin that edits one of its tensors (
 place, because other plugins and TRL's loss read them.
 
 Scorers (`policy_logps`, `policy_entropies`, `ref_logps`, `continuation_logps`, `completion_logps`,
-`prefix_logps`, `probe`) are lazy: nothing
+`prefix_logps`, `probe`, `soft_values`) are lazy: nothing
 runs until a plugin calls one, a result is cached for the rest of the batch, and what TRL already
 computed (old log-probs, reference log-probs) is reused.
 """
@@ -43,6 +43,9 @@ class Scorer(Protocol):
                      model: str, contexts: Sequence[str]) -> list[torch.Tensor]:
         """Per-token log-probs of ``continuations[j]`` after row ``rows[j]``'s prompt + first ``ends[j]`` tokens
         + ``contexts[j]`` (not scored)."""
+
+    def soft_values(self, model: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q (N, T), V (N, T + 1))``: sampled-token logits and temperature-scaled logsumexp (see `RolloutBatch.soft_values`)."""
 
     def score_texts(self, rows: Sequence[int], inputs: Sequence[dict], prompts: Sequence[Any],
                     texts: Sequence[str]) -> torch.Tensor:
@@ -432,6 +435,31 @@ class RolloutBatch:
                     texts[i][j] = list(sample["texts"])
         device = self.device
         return Probes(valid=valid.to(device), texts=texts, **{name: t.to(device) for name, t in out.items()})
+
+    def soft_values(self, model: Any = "reference", temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's logits read as soft Q-values: ``(Q, V)`` with ``Q`` ``(N, T)`` the logit of each sampled
+        completion token and ``V`` ``(N, T + 1)`` ``temperature * logsumexp(logits / temperature)`` of the state
+        before each completion token, and after the last one (column ``L_i`` of row ``i``); no-grad, cached.
+
+        ``Q_t - V_t`` is the token's log-prob at that temperature. The inverse soft Bellman reward of the
+        endogenous-reward view (``r_t = Q_t - V_{t+1}``) needs both. TRL's own passes keep only log-probs and
+        entropies, so this is a forward pass of its own (logits of the completion positions only, chunked
+        to bound the ``(B, T + 1, vocab)`` logits), logged as ``trl_credit/cost/soft_values_seconds``.
+
+        :param model: ``"reference"`` (PEFT: adapters off; or TRL's reference model), ``"policy"`` or an adapter.
+        """
+        model = _model_kind(model)
+        root = self.root
+        key = ("soft_values", model, float(temperature))
+        if key not in root.token_cache:
+            if root.scorer is None or not hasattr(root.scorer, "soft_values"):
+                raise RuntimeError("soft values need a model; in tests pass `soft_values=(Q, V)` to "
+                                   "trl_credit.testing.make_batch")
+            root.token_cache[key] = root.scorer.soft_values(model, float(temperature))  # type: ignore[index]
+        q, v = root.token_cache[key]  # type: ignore[misc]
+        if self._rows is not None:
+            q, v = q[self._rows], v[self._rows]
+        return q.to(self.device), v.to(self.device)
 
     def score_texts(self, rows: Sequence[int] | torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
         """``(M, K)`` the run's own reward functions on new completion texts for rows ``rows`` of this batch.

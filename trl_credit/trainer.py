@@ -14,6 +14,7 @@ builds its optimiser. With no plugins enabled every seam returns TRL's result un
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -602,6 +603,36 @@ class TrainerScorer:
         metrics["trl_credit/cost/prefix_sequences"].append(float(len(rows)))
         return [result[j, : len(cont[j])].cpu() for j in range(len(rows))]
 
+    def soft_values(self, model, temperature):
+        """Own forward pass: logits of the completion positions (and the one after), never materialised by TRL."""
+        t, out, acc = self.trainer, self.output, self.trainer.accelerator
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        att = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        width = out["completion_ids"].shape[1]
+        vocab = int(getattr(t.accelerator.unwrap_model(t.model).config, "vocab_size", 0) or 1)
+        chunk = max(1, min(t.args.per_device_train_batch_size, (1 << 27) // max((width + 1) * vocab, 1)))
+        unwrapped = acc.unwrap_model(t.model)
+        net, context = t.model, _model_for(t, unwrapped, model) if model != "reference" else None
+        if model == "reference" and t.ref_model is not None:
+            net, context = t.ref_model, contextlib.nullcontext()
+        elif model == "reference":
+            if not hasattr(unwrapped, "peft_config"):
+                raise RuntimeError("soft values of the reference were asked for, but this run has no reference "
+                                   "model: set beta > 0 or train a PEFT adapter")
+            context = _model_for(t, unwrapped, "reference")
+        q_parts, v_parts = [], []
+        clock = time.perf_counter()
+        with torch.no_grad(), disable_gradient_checkpointing(t.model, t.args.gradient_checkpointing_kwargs), context:
+            for begin in range(0, ids.shape[0], chunk):
+                rows = slice(begin, begin + chunk)
+                logits = net(input_ids=ids[rows], attention_mask=att[rows], logits_to_keep=width + 1).logits
+                logits = logits[:, -(width + 1):].float()  # position P-1+t predicts completion token t
+                v_parts.append(temperature * torch.logsumexp(logits / temperature, dim=-1))
+                q_parts.append(logits[:, :width].gather(-1, out["completion_ids"][rows].unsqueeze(-1)).squeeze(-1))
+        t._metrics["train"]["trl_credit/cost/soft_values_seconds"].append(time.perf_counter() - clock)
+        q, v = torch.cat(q_parts), torch.cat(v_parts)
+        return gather_padded(acc, q, 0.0).cpu(), gather_padded(acc, v, 0.0).cpu()
+
     def score_texts(self, rows, inputs, prompts, texts):
         """TRL's ``_calculate_rewards`` (GRPOTrainer's own, not the host's stash) on an equal share per rank."""
         t, acc = self.trainer, self.trainer.accelerator
@@ -728,8 +759,6 @@ class TrainerScorer:
 
 def _model_for(trainer: CreditGRPOTrainer, model: Any, kind: str):
     """The context that makes ``model`` (a PEFT model or not) run as ``kind``: the policy, the reference, an adapter."""
-    import contextlib
-
     if kind == "policy":
         return contextlib.nullcontext()
     if kind == "reference":

@@ -148,6 +148,11 @@ class _StaticScorer:
         return [torch.as_tensor(fn(row, end, text, model), dtype=torch.float32).reshape(-1)
                 for row, end, text in zip(rows, ends, continuations)]
 
+    def soft_values(self, model, temperature):
+        if "soft_values" not in self.tensors:
+            raise RuntimeError("the plugin asked for soft values (logits); pass `soft_values=(Q, V)` to make_batch")
+        return self.tensors["soft_values"]
+
     def score_texts(self, rows, inputs, prompts, texts):
         fn = self.tensors.get("score_fn")
         if fn is None:
@@ -212,6 +217,7 @@ def make_batch(
     prefix_logps_fn: Callable[[int, int, str, str], Sequence[float]] | None = None,
     probe_fn: Callable[[int, int, str, str], dict[str, Any]] | None = None,
     score_fn: Callable[[int, str], Any] | None = None,
+    soft_values: tuple[torch.Tensor, torch.Tensor] | None = None,
     tool_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
     adapters: dict[str, torch.Tensor] | None = None,
     prompt_index: Sequence[int] | None = None,
@@ -244,7 +250,8 @@ def make_batch(
     its name); ``probe_fn(row, end, cue, model)`` returns one prefix's probe samples as a dict: ``tokens``
     ``(S, L')`` and optionally ``mask``, ``logps`` ``(S, L')``, ``topk_ids`` / ``topk_logps`` ``(S, L', k')``,
     ``texts`` (`RolloutBatch.probe` pads them to its ``max_new_tokens`` and ``top_k``); ``score_fn(row, text)``
-    returns the reward (or one per reward column) of a new text for row ``row`` (`RolloutBatch.score_texts`).
+    returns the reward (or one per reward column) of a new text for row ``row`` (`RolloutBatch.score_texts`);
+    ``soft_values=(Q, V)``: ``(N, T)`` and ``(N, T + 1)`` (`RolloutBatch.soft_values`, for any model).
 
     ``tokenizer``: a real tokenizer (its pad and EOS ids are used), or None for a stand-in with
     ``pad_token_id`` (default 0) and ``eos_token_id`` (default: the pad id, as SmolLM2 and many others).
@@ -350,6 +357,12 @@ def make_batch(
         tensors["probe_fn"] = probe_fn
     if score_fn is not None:
         tensors["score_fn"] = score_fn
+    if soft_values is not None:
+        q, v = (torch.as_tensor(x, dtype=torch.float32) for x in soft_values)
+        if tuple(q.shape) != tuple(ids.shape) or tuple(v.shape) != (ids.shape[0], ids.shape[1] + 1):
+            raise ValueError(f"soft_values: Q must be {tuple(ids.shape)} and V {(ids.shape[0], ids.shape[1] + 1)}, got "
+                             f"{tuple(q.shape)} and {tuple(v.shape)}")
+        tensors["soft_values"] = (q, v)
     for name, values in (("prompts", prompts), ("completions", completions), ("prompt_index", prompt_index),
                          *((f"columns[{key!r}]", v) for key, v in (columns or {}).items())):
         if values is not None and len(values) != n:
