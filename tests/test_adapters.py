@@ -137,7 +137,7 @@ def test_qlora_on_cpu_trains_the_auxiliary_adapter_on_the_4bit_base(tmp_path):
 
 
 def test_without_peft_the_run_is_refused_before_the_model_loads(tmp_path):
-    with pytest.raises(ConfigError, match=r"plugins\[0\] \(aux_prm\) trains the auxiliary adapter\(s\) 'prm'.*"
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(aux_prm\) owns the auxiliary adapter\(s\) 'prm'.*"
                                           r"use_peft: true"):
         train_tiny([{"name": fx.AuxPRM}], output_dir=tmp_path, train=False)
 

@@ -88,6 +88,11 @@ def test_step_ends_are_the_token_positions_just_past_each_step():
         assert len(got) == count and got[-1] == len(ids[row]) and got == sorted(got)
         for e in got[:-1]:  # each prefix ends on a newline: the delimiter closes its step
             assert tok.decode(ids[row][:e]).endswith("\n")
+    eos_ids = [ids[0] + [tok.eos_token_id], ids[1]]
+    finished = make_batch([1, 0], 1, completion_ids=eos_ids, completions=texts[:2], tokenizer=tok)
+    assert step_ends(finished)[0].max().item() == len(ids[0]) + 1  # the EOS is in the last step
+    assert step_ends(finished, eos=False)[0].max().item() == len(ids[0])  # ... or left out
+    assert step_ends(finished, eos=False)[1].max().item() == len(ids[1])  # a row without EOS is unchanged
     capped = step_ends(batch, max_steps=2)
     assert capped.shape == (3, 2)
     assert capped[0].tolist() == [e for e in ends[0].tolist() if e >= 0][-2:]

@@ -9,11 +9,12 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
   what `augment_rollouts` returns: `Augmentation`; prompt and group helpers: `with_context`,
   `joint_advantages` (an augmented group and its source share one GRPO baseline); what `probe` returns:
   `Probes`
-- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `token_char_offsets`,
+- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `token_char_offsets`, `discounted_returns`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
 - auxiliary LoRA adapters a plugin owns (`Plugin.adapters()`, `Plugin.adapter(name)`): `Adapter`,
   `AdapterHandle`
+- option types for a plugin's `Config`: `Regex`, `AnswerTemplate`
 - running: `CreditGRPOTrainer`; errors at run time: `PluginRuntimeError`
 """
 
@@ -35,6 +36,8 @@ _LAZY = {
     "with_context": "trl_credit.augment",
     "Turns": "trl_credit.turns",
     "Probes": "trl_credit.probes",
+    "Regex": "trl_credit.options",
+    "AnswerTemplate": "trl_credit.options",
     "Adapter": "trl_credit.adapters",
     "AdapterHandle": "trl_credit.adapters",
     "LossInputs": "trl_credit.loss",
@@ -44,6 +47,7 @@ _LAZY = {
     "split_steps": "trl_credit.steps",
     "token_steps": "trl_credit.steps",
     "step_ends": "trl_credit.steps",
+    "discounted_returns": "trl_credit.steps",
     "token_char_offsets": "trl_credit.steps",
     "step_scores": "trl_credit.steps",
     "score_steps": "trl_credit.steps",

@@ -6,7 +6,8 @@ step, MRT's forced termination), with the model's log-probs of each sampled toke
 alternatives. Probes are measurements, never training rows: they are generated with Hugging Face
 ``generate`` on the unwrapped training model (TRL's ``unwrap_model_for_generation``, so DeepSpeed ZeRO-3
 parameters are gathered), no-grad, under a random stream of their own (seeded from the run's seed, the
-step and the rank), so TRL's own sampling is not shifted by them.
+step, the call's number within the step and the rank), so TRL's own sampling is not shifted by them and two
+probe calls of a step do not replay the same stream.
 
 Log-probs are the model's at temperature 1 (its raw distribution, as vLLM reports by default);
 ``temperature`` only shapes the sampling.
@@ -43,11 +44,14 @@ class Probes:
     topk_logps: torch.Tensor
     texts: list
 
-    def topk_entropy(self) -> torch.Tensor:
-        """``(N, K, S, L)`` entropy (nats) of the top-``k`` distribution renormalised, 0 off the mask."""
+    def topk_entropy(self, renormalise: bool = True) -> torch.Tensor:
+        """``(N, K, S, L)`` entropy (nats) of the top-``k`` distribution, 0 off the mask: renormalised over the
+        ``k`` tokens, or (``renormalise=False``) ``-sum_k p_k log p_k`` of the raw probabilities (SPAE's code)."""
         import torch
 
-        logp = self.topk_logps - torch.logsumexp(self.topk_logps, dim=-1, keepdim=True)
+        logp = self.topk_logps
+        if renormalise:
+            logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)
         terms = torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0)  # absent entries (-inf) add nothing
         return -terms.sum(-1) * self.mask
 

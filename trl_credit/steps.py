@@ -60,6 +60,7 @@ __all__ = [
     "resolve_step_scorer",
     "score_steps",
     "split_steps",
+    "discounted_returns",
     "step_ends",
     "step_scores",
     "token_char_offsets",
@@ -271,14 +272,17 @@ def token_steps(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN,
     return result
 
 
-def step_ends(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN, max_steps: int | None = None) -> torch.Tensor:
+def step_ends(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN, max_steps: int | None = None,
+              eos: bool = True) -> torch.Tensor:
     """``(N, K)`` long: the completion-token position just past each step (delimiter included), -1 past a row's steps.
 
     The prefix "up to the end of step k" of row ``i`` is ``completion_ids[i, :ends[i, k]]``: what
     `RolloutBatch.prefix_logps` scores a continuation after (IGPO, TRACE, P2S). Steps come from
     :func:`token_steps` with ``fill=True`` (a delimiter closes the step before it). ``max_steps``
     keeps the last ``max_steps`` boundaries of each row (the last step ends the completion; earlier
-    ones are merged into the first kept step), which bounds the number of scored prefixes.
+    ones are merged into the first kept step), which bounds the number of scored prefixes. The last step of
+    a finished completion holds its EOS token; ``eos=False`` ends it before the EOS (to read "after the whole
+    completion" without the EOS). With no step in any row the result is ``(N, 0)``.
     """
     import torch
 
@@ -291,11 +295,30 @@ def step_ends(batch: RolloutBatch, pattern: str = DEFAULT_PATTERN, max_steps: in
     position = torch.arange(1, width + 1, device=index.device).expand(n, width)
     valid = index >= 0
     ends.scatter_reduce_(1, index.clamp(min=0), torch.where(valid, position, -1), reduce="amax", include_self=True)
+    if not eos and getattr(batch.tokenizer, "eos_token_id", None) is not None:
+        lengths = batch.completion_lengths.to(index.device)
+        rows = torch.arange(n, device=index.device)
+        finished = (lengths > 0) & (batch.completion_ids.to(index.device)[rows, (lengths - 1).clamp(min=0)]
+                                    == batch.tokenizer.eos_token_id)
+        content = torch.where(finished, lengths - 1, lengths).unsqueeze(1)
+        ends = torch.where(ends >= 0, torch.minimum(ends, content), ends)
     if max_steps is not None and most > max_steps:
         counts = (ends >= 0).sum(1, keepdim=True)
         keep = torch.arange(most, device=index.device).unsqueeze(0) + (counts - max_steps).clamp(min=0)
         ends = torch.where(keep < counts, ends.gather(1, keep.clamp(max=most - 1)), -1)[:, :max_steps]
     return ends
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_k = sum_{j >= k} gamma^(j - k) r_j`` along the last dimension (one matrix product; entries past a
+    row's steps should be 0). The backward accumulation of step or turn credit (IGPO, SIOP)."""
+    import torch
+
+    k = rewards.shape[-1]
+    power = torch.arange(k, device=rewards.device)
+    lag = power.unsqueeze(0) - power.unsqueeze(1)  # [k, j] = j - k
+    discount = torch.where(lag >= 0, float(gamma) ** lag.clamp(min=0).to(rewards.dtype), 0.0)
+    return rewards @ discount.T
 
 
 # ----------------------------------------------------------------------------------------- scorers

@@ -69,6 +69,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         self._credit_round: dict[str, Any] = {}
         self._credit_batch: RolloutBatch | None = None
         self._credit_skip_update = False
+        self._credit_costs: dict[str, float] = {}  # extra passes of this step, summed (`_cost`)
+        self._credit_probe_calls = (0, 0)  # (step, probe calls in it): each call its own random stream
         self.refill_stream = RefillStream(self)
         super().__init__(**kwargs)
         self.aux_adapters = AuxAdapters(self.credit_plugins.adapters())
@@ -110,7 +112,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                 inputs = self.refill_stream.next()
             start = time.perf_counter()
             output = super()._generate_and_score_completions(inputs)
-            self._metrics["train"]["trl_credit/cost/generation_seconds"].append(time.perf_counter() - start)
+            self._cost("generation_seconds", time.perf_counter() - start)
             batch = self._rollout_batch(output)
             if self.pipeline.has("augment_rollouts"):
                 output, batch = self._augment(output, batch)
@@ -279,6 +281,10 @@ class CreditGRPOTrainer(GRPOTrainer):
             f"{', '.join(restored) if restored else 'no plugin'}, the prompt statistics{adapters} and the refill "
             f"stream ({self.refill_stream.batches_drawn} batches drawn)")
 
+    def _cost(self, name: str, value: float) -> None:
+        """Add to this step's ``trl_credit/cost/<name>`` (logged once per step as the step's total)."""
+        self._credit_costs[name] = self._credit_costs.get(name, 0.0) + float(value)
+
     # ------------------------------------------------------------------ batch
     def _rollout_batch(self, output: dict[str, Any]) -> RolloutBatch:
         """The gathered `RolloutBatch` of one round (identical on every rank)."""
@@ -339,7 +345,9 @@ class CreditGRPOTrainer(GRPOTrainer):
             row.update({"prompt": request.prompt, PROMPT_INDEX: int(batch.prompt_index[first]),
                         AUGMENTED: request.context, SOURCE_PROMPT: batch.prompts[first]})
             rows += [copy.deepcopy(row) for _ in range(g)]
+        clock = time.perf_counter()
         extra = super()._generate_and_score_completions(rows)  # TRL's generation and reward functions
+        self._cost("augment_seconds", time.perf_counter() - clock)
         augmented = self._rollout_batch(extra)
         if any(request.train_on_source for _, request in requests):
             mine = [request for _, request in requests[rank * share:(rank + 1) * share]]
@@ -437,6 +445,9 @@ class CreditGRPOTrainer(GRPOTrainer):
                 metrics[f"trl_credit/{name}"].append(sum(values) / len(values))
         for name, seconds in self.pipeline.pop_timings().items():
             metrics[name].append(seconds)
+        for name, total in self._credit_costs.items():  # the step's extra passes, each summed over its calls
+            metrics[f"trl_credit/cost/{name}"].append(total)
+        self._credit_costs = {}
 
 
 class TrainerScorer:
@@ -459,8 +470,7 @@ class TrainerScorer:
                 start = time.perf_counter()
                 with use_adapter(t.accelerator.unwrap_model(t.model), adapter_name=peft_name(adapter)):
                     result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
-                t._metrics["train"][f"trl_credit/cost/{adapter[len(KIND_PREFIX):]}_score_seconds"].append(
-                    time.perf_counter() - start)
+                t._cost(f"{adapter[len(KIND_PREFIX):]}_score_seconds", time.perf_counter() - start)
                 return result
             if not use_reference:
                 return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
@@ -525,8 +535,8 @@ class TrainerScorer:
                 n = len(cont[j])
                 results.append((i, logps[j, keep - n:].float().cpu().tolist() if n else []))
         merged = dict(gather_object(results))
-        t._metrics["train"]["trl_credit/cost/continuation_seconds"].append(time.perf_counter() - clock)
-        t._metrics["train"]["trl_credit/cost/continuation_sequences"].append(float(len(prefixes)))
+        t._cost("continuation_seconds", time.perf_counter() - clock)
+        t._cost("continuation_sequences", float(len(prefixes)))
         return [torch.tensor(merged[i], dtype=torch.float32) for i in range(len(prefixes))]
 
 
@@ -598,9 +608,8 @@ class TrainerScorer:
                     result[j, :n] = logps[i, keep - n:].float().to(result.device)
         if acc.num_processes > 1:  # every entry is scored by exactly one rank
             result = acc.reduce(result, reduction="sum")
-        metrics = t._metrics["train"]
-        metrics["trl_credit/cost/prefix_seconds"].append(time.perf_counter() - clock)
-        metrics["trl_credit/cost/prefix_sequences"].append(float(len(rows)))
+        t._cost("prefix_seconds", time.perf_counter() - clock)
+        t._cost("prefix_sequences", float(len(rows)))
         return [result[j, : len(cont[j])].cpu() for j in range(len(rows))]
 
     def soft_values(self, model, temperature):
@@ -629,7 +638,7 @@ class TrainerScorer:
                 logits = logits[:, -(width + 1):].float()  # position P-1+t predicts completion token t
                 v_parts.append(temperature * torch.logsumexp(logits / temperature, dim=-1))
                 q_parts.append(logits[:, :width].gather(-1, out["completion_ids"][rows].unsqueeze(-1)).squeeze(-1))
-        t._metrics["train"]["trl_credit/cost/soft_values_seconds"].append(time.perf_counter() - clock)
+        t._cost("soft_values_seconds", time.perf_counter() - clock)
         q, v = torch.cat(q_parts), torch.cat(v_parts)
         return gather_padded(acc, q, 0.0).cpu(), gather_padded(acc, v, 0.0).cpu()
 
@@ -647,7 +656,7 @@ class TrainerScorer:
         clock = time.perf_counter()
         rewards = GRPOTrainer._calculate_rewards(t, [copy.deepcopy(inputs[j]) for j in mine],
                                                  [prompts[j] for j in mine], completions, ids)
-        t._metrics["train"]["trl_credit/cost/score_texts_seconds"].append(time.perf_counter() - clock)
+        t._cost("score_texts_seconds", time.perf_counter() - clock)
         return rewards[:m].float().cpu()
 
     def probe(self, rows, ends, cues, num_samples, max_new_tokens, temperature, top_k, model):
@@ -675,7 +684,11 @@ class TrainerScorer:
         with torch.random.fork_rng(), unwrap_model_for_generation(
                 t.model_wrapped, acc, gradient_checkpointing_kwargs=t.args.gradient_checkpointing_kwargs) as gen, \
                 torch.no_grad():
-            torch.manual_seed(int(t.args.seed) * 1_000_003 + t.state.global_step * 101 + acc.process_index)
+            step, calls = t._credit_probe_calls
+            calls = calls + 1 if step == t.state.global_step else 1  # every call of a step: its own stream
+            t._credit_probe_calls = (t.state.global_step, calls)
+            torch.manual_seed(int(t.args.seed) * 1_000_003 + t.state.global_step * 101 + calls * 7919
+                              + acc.process_index)
             for begin in range(0, len(mine), chunk):
                 idx = mine[begin:begin + chunk]
                 seqs = []
@@ -712,9 +725,8 @@ class TrainerScorer:
             tokens, mask, logps, top_ids, top_logps = (acc.reduce(x, reduction="sum")
                                                        for x in (tokens, mask, logps, top_ids, top_logps))
         tokens = torch.where(mask.bool(), tokens, tok.pad_token_id)
-        metrics = t._metrics["train"]
-        metrics["trl_credit/cost/probe_seconds"].append(time.perf_counter() - clock)
-        metrics["trl_credit/cost/probe_tokens"].append(float(mask.sum()))
+        t._cost("probe_seconds", time.perf_counter() - clock)
+        t._cost("probe_tokens", float(mask.sum()))
         top_logps = torch.where(mask.bool().unsqueeze(-1), top_logps, -float("inf"))
         top_ids = torch.where(mask.bool().unsqueeze(-1), top_ids, -1)
         texts = [[tok.decode(tokens[j, i][mask[j, i].bool()], skip_special_tokens=True) for i in range(s)]
@@ -753,7 +765,7 @@ class TrainerScorer:
 
         result = t.aux_adapters.step(kind, chunks, reduce, len(rows))
         result["logps"] = reduce(scores).cpu()  # every row is computed by exactly one rank
-        t._metrics["train"][f"trl_credit/cost/{kind[len(KIND_PREFIX):]}_update_seconds"].append(result.pop("seconds"))
+        t._cost(f"{kind[len(KIND_PREFIX):]}_update_seconds", result.pop("seconds"))
         return result
 
 

@@ -56,9 +56,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Adapter, ConfigError, Plugin, completion_text, hookimpl, token_char_offsets
+from trl_credit import Adapter, ConfigError, Plugin, Regex, completion_text, hookimpl, token_char_offsets
 
 if TYPE_CHECKING:
     import torch
@@ -162,21 +162,13 @@ class GRPOCARE(Plugin):
         ema_decay: float = Field(0.995, gt=0, lt=1, description="EMA reference: w <- d * w + (1 - d) * w_policy "
                                  "(ref_ema_decay)")
         ema_every: int = Field(10, ge=1, description="EMA update period in optimiser steps (ref_ema_update_every)")
-        answer_pattern: str = Field(ANSWER_PATTERN, description="regex whose last match is the answer span (its "
+        answer_pattern: Regex = Field(ANSWER_PATTERN, description="regex whose last match is the answer span (its "
                                     "group 'answer', else group 1, else the whole match); default: after the "
                                     "last <answer> up to </answer> or the end")
         fallback: Literal["last_number", "last_line", "none"] = Field(
             "last_number", description="answer span when answer_pattern does not match: the last number, the "
             "last non-blank line, or none (no span: no bonus)")
 
-        @field_validator("answer_pattern")
-        @classmethod
-        def _valid_pattern(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
     def adapters(self):
         return [Adapter("ema", ema_decay=self.config.ema_decay, ema_every=self.config.ema_every)]

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Plugin, hookimpl, step_ends, token_steps
+from trl_credit import Plugin, discounted_returns, hookimpl, step_ends, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -83,13 +83,7 @@ def normalise(rewards: torch.Tensor, valid: torch.Tensor, num_generations: int) 
 
 def accumulate(z: torch.Tensor, gamma: float) -> torch.Tensor:
     """``A_k = z_k + gamma * A_{k+1}`` along the last dimension (entries past a row's turns are 0)."""
-    import torch
-
-    k = z.shape[1]
-    power = torch.arange(k, device=z.device)
-    lag = power.unsqueeze(0) - power.unsqueeze(1)  # [k, j] = j - k
-    discount = torch.where(lag >= 0, float(gamma) ** lag.clamp(min=0).to(z.dtype), 0.0)
-    return z @ discount.T
+    return discounted_returns(z, gamma)
 
 
 class IGPO(Plugin):

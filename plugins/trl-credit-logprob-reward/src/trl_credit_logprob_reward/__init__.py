@@ -48,9 +48,9 @@ import math
 import re
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, RunInfo, completion_text, hookimpl
+from trl_credit import AnswerTemplate, ConfigError, Plugin, Regex, RunInfo, completion_text, hookimpl
 
 if TYPE_CHECKING:
     import torch
@@ -112,32 +112,18 @@ class LogprobReward(Plugin):
                                                "(length-invariant) of y*'s token log-probs; not established")
         model: Literal["policy", "reference"] = Field("policy", description="scoring model, no grad: the current "
                                                       "policy or the reference (needs PEFT or beta > 0)")
-        marker: str = Field(DEFAULT_MARKER, description="regex of what introduces the final answer; the CoT z_i "
+        marker: Regex = Field(DEFAULT_MARKER, description="regex of what introduces the final answer; the CoT z_i "
                             "is the completion up to the end of its last match (the answer after it is cut)")
         fallback: Literal["whole", "empty"] = Field("whole", description="no marker in a completion: z_i is the "
                                                     "whole completion (whole) or empty (empty)")
-        template: str = Field(" {answer}", description="the scored continuation; {answer} is replaced by y*")
+        template: AnswerTemplate = Field(" {answer}", description="the scored continuation; {answer} is replaced by y*")
         reward_name: str = Field("logprob_reward", description="name of the new reward column")
         replace: str | None = Field(None, description="an existing reward column to overwrite with R (its weight "
                                     "kept unless weight is set) instead of appending reward_name")
         weight: float | None = Field(None, description="weight of the column in the total reward; null: 1.0 for a "
                                      "new column, the existing weight with replace")
 
-        @field_validator("marker")
-        @classmethod
-        def _valid_marker(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
-        @field_validator("template")
-        @classmethod
-        def _has_answer(cls, value: str) -> str:
-            if "{answer}" not in value:
-                raise ValueError(f"the template {value!r} has no {{answer}} placeholder")
-            return value
 
     def required_columns(self):
         return [self.config.column]

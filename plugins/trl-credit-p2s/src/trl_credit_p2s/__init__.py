@@ -40,12 +40,11 @@ no step credit; dropped completions count in their group's pool, as in GRPO's ba
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, hookimpl, split_steps, step_ends
+from trl_credit import ConfigError, Plugin, Regex, hookimpl, split_steps, step_ends
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +123,8 @@ class P2S(Plugin):
         alignment: Literal["full", "proportional"] = Field(
             "full", description="continuation after prefix k: the whole gold CoT (full) or the gold CoT from its "
             "step floor(k * M / K) on (proportional; M gold steps, K model steps)")
-        pattern: str = Field(r"\n+", description="regex separating the steps of a completion")
-        gold_pattern: str = Field(r"\n+", description="regex separating the steps of the gold CoT (proportional)")
+        pattern: Regex = Field(r"\n+", description="regex separating the steps of a completion")
+        gold_pattern: Regex = Field(r"\n+", description="regex separating the steps of the gold CoT (proportional)")
         max_steps: int = Field(8, ge=1, description="at most this many steps per completion (the last ones; earlier "
                                "steps merge into the first kept): K + 1 scored sequences per completion")
         model: Literal["policy", "reference"] = Field("policy", description="model that scores the gold CoT")
@@ -133,14 +132,6 @@ class P2S(Plugin):
         normalize: Literal["group", "none"] = Field("group", description="step credit: PFR gains normalised over "
                                                     "the group's gains (group) or raw (none)")
 
-        @field_validator("pattern", "gold_pattern")
-        @classmethod
-        def _valid_pattern(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
     def required_columns(self):
         return [self.config.column]

@@ -53,12 +53,11 @@ Chosen here (offered as options where there is a reading to choose):
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, RunInfo, hookimpl, step_ends
+from trl_credit import AnswerTemplate, ConfigError, Plugin, Regex, RunInfo, hookimpl, step_ends
 
 if TYPE_CHECKING:
     import torch
@@ -129,8 +128,8 @@ class TRACE(Plugin):
         column: str = Field("answer", description="dataset column with the gold answer y*")
         cue: str = Field("\nThe answer is", description="text teacher-forced between a state and y* (context, "
                          "not scored); empty: y* right after the state")
-        template: str = Field(" {answer}", description="the scored answer text; {answer} is replaced by y*")
-        pattern: str = Field(r"\n+", description="regex separating the steps of a completion (delimiter included "
+        template: AnswerTemplate = Field(" {answer}", description="the scored answer text; {answer} is replaced by y*")
+        pattern: Regex = Field(r"\n+", description="regex separating the steps of a completion (delimiter included "
                              "in the step it closes)")
         max_steps: int = Field(8, ge=1, description="at most this many steps per completion (the last ones; "
                                "earlier steps merge into the first kept): max_steps + 1 scored prefixes")
@@ -144,21 +143,7 @@ class TRACE(Plugin):
         coef: float = Field(0.5, ge=0.0, description="weight of the step credit added to the outcome advantage "
                             "(not established)")
 
-        @field_validator("pattern")
-        @classmethod
-        def _valid_pattern(cls, value: str) -> str:
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise ValueError(f"not a valid regex: {exc}") from None
-            return value
 
-        @field_validator("template")
-        @classmethod
-        def _has_answer(cls, value: str) -> str:
-            if "{answer}" not in value:
-                raise ValueError(f"the template {value!r} has no {{answer}} placeholder")
-            return value
 
     def required_columns(self):
         return [self.config.column]
