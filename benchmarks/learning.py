@@ -497,6 +497,14 @@ def at_tokens(run: dict[str, Any], budget: float) -> float:
     return within[-1] if within else run["curve"][0][1]
 
 
+def _trend(trend: tuple[list[float], list[float]] | None) -> str:
+    """`` (first 5 steps -> last 5 steps)`` of the mechanism metric, mean over seeds ('' without a series)."""
+    if not trend:
+        return ""
+    first, last = trend
+    return f" ({statistics.fmean(first):.2f} in steps 1-5 → {statistics.fmean(last):.2f} in the last 5)"
+
+
 def summarise(variants: list[Variant], results: dict[str, list[dict]]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for variant in variants:
@@ -513,6 +521,10 @@ def summarise(variants: list[Variant], results: dict[str, list[dict]]) -> dict[s
             "mechanism": variant.mechanism or _first_own_metric(variant, runs),
         }  # fmt: skip
         row["mechanism_value"] = stats([r["mechanisms"].get(row["mechanism"]) for r in runs])
+        series = [r.get("series", {}).get(row["mechanism"]) for r in runs]
+        series = [x for x in series if x and len(x) >= 10]
+        row["mechanism_trend"] = ([statistics.fmean(v for _, v in x[:5]) for x in series],
+                                  [statistics.fmean(v for _, v in x[-5:]) for x in series]) if series else None
         row[INFORMATIVE] = stats([r["mechanisms"].get(INFORMATIVE) for r in runs])
         rows[variant.label] = row
     for variant in variants:
@@ -621,7 +633,7 @@ def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Setting
             f"{_ci(row.get('delta_final'))} | {_ci(row.get('delta_auc'))} | {_reach(row.get('steps_to_target'))} | "
             f"{_reach(row.get('tokens_to_target'))} | {_ci(row.get('delta_at_baseline_tokens'))} | "
             f"{_f(ratio, 2)} | {_f(row['seconds_per_step']['mean'], 1)} (× {_f(row.get('time_ratio', {}).get('mean'), 2)}) | "
-            f"{mech} {_f(row['mechanism_value']['mean'], 2)} | {note or '—'} |")  # fmt: skip
+            f"{mech} {_f(row['mechanism_value']['mean'], 2)}{_trend(row.get('mechanism_trend'))} | {note or '—'} |")  # fmt: skip
     if missing:
         shown = "; ".join(missing[:12]) + (f"; and {len(missing) - 12} more" if len(missing) > 12 else "")
         lines += ["", f"**Partial:** {len(missing)} planned runs are missing from these tables (failed, or not "
