@@ -131,7 +131,7 @@ def report(folder: Path, docs: Path) -> str:
             parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}x" for k, v in p["parts_x_generation"].items())
             added = "-" if p["added_x_generation"] is None else f"{p['added_x_generation']:.2f}x"
             rows.append(f"| `{p['plugin']}` | {summary['model']} ({p['device']}, {summary['threads']} threads) | "
-                        f"{p.get('passes', '')} | {added} | {parts or '-'} | {target} | {p['extra_peak_mib']:+.0f} MiB "
+                        f"{p.get('passes') or PASSES.get(p['plugin'], '')} | {added} | {parts or '-'} | {target} | {p['extra_peak_mib']:+.0f} MiB "
                         f"| {p['generation_seconds']:.2f} s | `{path.name}` |")
     block = "\n".join([
         BEGIN,

@@ -124,6 +124,16 @@ def test_edge_cases_empty_completion_one_step_and_nan_outcome():
     assert a[2, 0] < 0 < a[3, 0]
 
 
+def test_check_args_refuses_a_reference_without_one():
+    from trl_credit import ConfigError
+    from trl_credit.testing import check_args
+
+    with pytest.raises(ConfigError, match=r"\(igpo\).*model: 'reference' reads the gold answer.*use_peft: true"):
+        check_args(IGPO, {"model": "reference"}, peft=False)
+    check_args(IGPO, {"model": "reference"}, peft=True)
+    check_args(IGPO, {}, peft=False)
+
+
 def test_contract():
     batch, _ = igpo_batch()
     check_plugin(IGPO, batches=[lambda: igpo_batch()[0]])
