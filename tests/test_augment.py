@@ -143,3 +143,55 @@ def test_with_context_adds_text_without_touching_the_prompt():
     assert chat[1]["content"] == "Q?"  # copies, not edits
     with pytest.raises(ValueError, match="no user message"):
         with_context(chat[:1], "H")
+
+
+class ExitsOfGroupZero(Plugin):
+    """S-GRPO style: one completion of group 0 cut at four points, each continued after a cue."""
+
+    seen: list = []
+
+    @hookimpl
+    def augment_rollouts(self, batch):
+        if any(m is not None for m in batch.columns.get(AUGMENTED, [])):
+            return None
+        length = int(batch.completion_lengths[0])
+        ends = [length * j // 4 for j in range(1, 5)]
+        ExitsOfGroupZero.seen.append([batch.prefix_prompt(0, e, " So the answer is") for e in ends])
+        return [Augmentation(0, prompts=ExitsOfGroupZero.seen[-1], context="exits")]
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        ExitsOfGroupZero.seen.append(batch)
+
+
+def test_per_completion_prompts_continue_a_prefix_after_a_cue(make_trainer, arithmetic):
+    ExitsOfGroupZero.seen.clear()
+    trainer = make_trainer(plugins=[ExitsOfGroupZero], reward_funcs=[char_count], max_completion_length=8)
+    trainer.model.train()
+    torch.manual_seed(0)
+    rows = trainer.train_dataset
+    out = trainer._generate_and_score_completions([copy.deepcopy(rows[i // 4]) for i in range(8)])
+    prompts, batch = ExitsOfGroupZero.seen
+    tok = trainer.processing_class
+    rendered = tok.apply_chat_template(batch.prompts[0], add_generation_prompt=True, tokenize=False)
+    assert all(p.startswith(rendered) and p.endswith(" So the answer is") for p in prompts)
+    assert len(set(prompts)) > 1  # four different exit points
+    assert batch.column(AUGMENTED)[8:] == ["exits"] * 4 and batch.prompts[8:] == prompts
+    # each new row was generated from its own prompt: the loss sees exactly that text before its completion
+    for j in range(4):
+        ids = out["prompt_ids"][8 + j][out["prompt_mask"][8 + j].bool()]
+        assert tok.decode(ids) == tok.decode(tok(prompts[j], add_special_tokens=False)["input_ids"])
+    assert batch.rewards[8:, 0].tolist() == char_count(batch.completions[8:])  # scored by the run's reward
+
+
+def test_prompts_must_be_one_per_completion(make_trainer, arithmetic):
+    class Short(Plugin):
+        @hookimpl
+        def augment_rollouts(self, batch):
+            return [Augmentation(0, prompts=["a", "b"])]
+
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'short' returned 2 prompts for group 0 \(expected one per "
+                                                 r"completion: 4\) from augment_rollouts at step 0"):
+        _round(make_trainer, arithmetic, plugin=Short)
+    with pytest.raises(ValueError, match="give prompt .* or prompts"):
+        Augmentation(0)

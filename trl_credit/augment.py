@@ -44,13 +44,24 @@ class Augmentation:
     ``pi_theta(y_t | x, y_<t) / pi_old(y_t | x + hint, y_<t)`` (Guide's off-context correction). The
     host then stores old log-probs for the whole batch (one no-grad pass where TRL skipped them) and,
     with a KL term, the reference log-probs of those rows after the group's own prompt.
+    ``prompts``: instead of one ``prompt``, one prompt per new completion (``G`` of them), e.g. S-GRPO's
+    serial exits: each a prefix of one completion plus a cue (`RolloutBatch.prefix_prompt`).
     """
 
     group: int
-    prompt: Any
+    prompt: Any = None
     context: str = "augmented"
     replace: bool = False
     train_on_source: bool = False
+    prompts: list | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompts is None):
+            raise ValueError("Augmentation: give prompt (one for the G new completions) or prompts (one each)")
+
+    def prompt_of(self, j: int) -> Any:
+        """The prompt of the ``j``-th new completion."""
+        return self.prompt if self.prompts is None else self.prompts[j]
 
 
 def with_context(prompt: Any, text: str, position: str = "user", separator: str = "\n\n") -> Any:

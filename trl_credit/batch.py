@@ -461,6 +461,20 @@ class RolloutBatch:
             q, v = q[self._rows], v[self._rows]
         return q.to(self.device), v.to(self.device)
 
+    def prefix_prompt(self, row: int, end: int, cue: str = "") -> str:
+        """A string prompt that continues row ``row``'s completion: its prompt rendered as TRL renders it (chat
+        template with the generation prompt), the first ``end`` completion tokens decoded, then ``cue``.
+
+        For `trl_credit.Augmentation` ``prompts`` (generation from a prefix plus a cue through TRL's own
+        path: S-GRPO's exits, MRT's forced answers as training rows). TRL tokenises a string prompt as it is,
+        so the new completion continues exactly this text.
+        """
+        prompt = self.prompts[row]
+        if not isinstance(prompt, str):
+            prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        ids = self.completion_ids[row, : max(int(end), 0)].tolist()
+        return prompt + self.tokenizer.decode(ids, skip_special_tokens=True) + cue
+
     def score_texts(self, rows: Sequence[int] | torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
         """``(M, K)`` the run's own reward functions on new completion texts for rows ``rows`` of this batch.
 

@@ -109,9 +109,14 @@ class Pipeline:
                 if not 0 <= int(request.group) < batch.num_groups:
                     self._fail(plugin, "augment_rollouts", batch.step, f"group {request.group}; the round has groups "
                                f"0..{batch.num_groups - 1}")
-                if not isinstance(request.prompt, (str, list)) or not request.prompt:
-                    self._fail(plugin, "augment_rollouts", batch.step, f"a prompt of type {type(request.prompt).__name__}"
-                               " (expected a non-empty string or list of chat messages)")
+                prompts = [request.prompt] if request.prompts is None else list(request.prompts)
+                if request.prompts is not None and len(prompts) != batch.num_generations:
+                    self._fail(plugin, "augment_rollouts", batch.step, f"{len(prompts)} prompts for group "
+                               f"{request.group} (expected one per completion: {batch.num_generations})")
+                for prompt in prompts:
+                    if not isinstance(prompt, (str, list)) or not prompt:
+                        self._fail(plugin, "augment_rollouts", batch.step, f"a prompt of type {type(prompt).__name__}"
+                                   " (expected a non-empty string or list of chat messages)")
                 if not isinstance(request.context, str) or not request.context:
                     self._fail(plugin, "augment_rollouts", batch.step, "an empty context (say what was changed)")
                 requests.append((plugin.key, request))

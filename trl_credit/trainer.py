@@ -342,9 +342,12 @@ class CreditGRPOTrainer(GRPOTrainer):
         for _, request in requests[rank * share:(rank + 1) * share]:
             first = request.group * g
             row = {key: values[first] for key, values in batch.columns.items()}
-            row.update({"prompt": request.prompt, PROMPT_INDEX: int(batch.prompt_index[first]),
-                        AUGMENTED: request.context, SOURCE_PROMPT: batch.prompts[first]})
-            rows += [copy.deepcopy(row) for _ in range(g)]
+            row.update({PROMPT_INDEX: int(batch.prompt_index[first]), AUGMENTED: request.context,
+                        SOURCE_PROMPT: batch.prompts[first]})
+            rows += [{**copy.deepcopy(row), "prompt": copy.deepcopy(request.prompt_of(j))} for j in range(g)]
+        if len({isinstance(r["prompt"], str) for r in rows}) > 1:
+            raise ValueError("augment_rollouts: this process's requests mix string and chat prompts; TRL renders "
+                             "one format per generation call")
         clock = time.perf_counter()
         extra = super()._generate_and_score_completions(rows)  # TRL's generation and reward functions
         self._cost("augment_seconds", time.perf_counter() - clock)
