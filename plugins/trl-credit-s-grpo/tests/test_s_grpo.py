@@ -3,7 +3,6 @@ ones, the requests it makes (prefix + cue prompts), the contract, and a real run
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import AutoTokenizer
 
