@@ -9,6 +9,8 @@ Modes ``resume-full`` / ``resume-part`` / ``resume``: 4 steps with refill and a 
 ``resume-part`` stops after the step-2 checkpoint, ``resume`` continues from it.
 Mode ``adapter``: 2 steps with a PEFT policy and a plugin that trains an auxiliary "prm" adapter and keeps an
 "ema" one; saves every rank's auxiliary weights.
+Mode ``dense``: 2 steps with a plugin that calls every extra scorer (prefix_logps with a context, probe,
+score_texts, soft_values) and keeps what it got, with the policy's log-probs to check them against.
 Mode ``augment``: 2 steps where an ``augment_rollouts`` plugin adds two hinted groups and a loss plugin
 checks, in every micro-batch, that its ``rows`` point at its own completions in the gathered batch.
 """
@@ -67,9 +69,31 @@ class RowsCheck:
         return {"zero": loss.logps.sum() * 0.0}
 
 
+class DenseScores:
+    """Every extra scorer on the gathered batch (collective: each rank scores its own rows)."""
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        from trl_credit import step_ends
+
+        n = batch.num_completions
+        ends = torch.cat([torch.zeros(n, 1, dtype=torch.long), step_ends(batch, max_steps=2)], dim=1)
+        texts = [f"The answer is {a}" for a in batch.column("answer")]
+        q, v = batch.soft_values("policy")
+        records.append({"prefix": batch.prefix_logps(ends, [" 7"] * n, reduce="none", context=" ="),
+                        "ends": ends, "probe": batch.probe(ends[:, :1], " =", num_samples=2, max_new_tokens=3,
+                                                           top_k=3),
+                        "scores": batch.score_texts(list(range(n)), texts),
+                        "expected_scores": reward([[{"role": "assistant", "content": t}] for t in texts],
+                                                  trl_credit_prompt_index=batch.prompt_index.tolist()),
+                        "q": q, "v": v, "policy": batch.policy_logps(), "mask": batch.completion_mask.cpu()})
+
+
 class CreditRecorder(CreditGRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
+        if not records:
+            return output
         records[-1]["local_advantages"] = output["advantages"].cpu()
         records[-1]["local_completion_ids"] = output["completion_ids"].cpu()
         return output
@@ -91,6 +115,7 @@ args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generat
                   save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
 plugins = ([MidPassRate, Record] if mode == "curriculum" else [HintTwoGroups, RowsCheck, Record] if mode == "augment"
            else [{"name": fx.AuxPRM, "ema": 0.5}, Record] if mode == "adapter"
+           else [DenseScores] if mode == "dense"
            else [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
 peft_config = None
 if mode == "adapter":

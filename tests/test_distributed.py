@@ -126,3 +126,24 @@ def test_auxiliary_adapters_are_the_same_on_two_processes(tmp_path, tiny_model):
     assert all(u["loss"] > 0 and u["grad_norm"] > 0 and u["logps"].abs().sum() > 0 for u in updates[0])
     for p, e in zip(sorted(prm), sorted(ema)):
         assert not torch.equal(a[p], a[e])  # the PRM moved away from its start (= base) and the EMA followed the policy
+
+
+@pytest.mark.distributed
+def test_extra_scorers_are_collective_and_score_every_row_once(tmp_path, tiny_model):
+    """prefix_logps, probe, score_texts and soft_values: each rank scores its own rows and the results are
+    combined, so both ranks hold the same, complete values (no row missing, none counted twice)."""
+    ranks = launch_two(tmp_path, "dense", 29539)
+    assert [r["world"] for r in ranks] == [2, 2]
+    steps = [[r for r in rank["records"] if "prefix" in r] for rank in ranks]
+    assert len(steps[0]) == len(steps[1]) == 2
+    for a, b in zip(*steps):
+        for key in ("prefix", "scores", "q", "v", "policy"):
+            assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a["probe"].tokens, b["probe"].tokens) and torch.equal(a["probe"].logps, b["probe"].logps)
+        valid = a["ends"] >= 0
+        scored = a["prefix"].abs().sum(-1)  # (N, K): every valid entry was scored (log-probs < 0), the rest is 0
+        assert (scored[valid] > 0).all() and (scored[~valid] == 0).all()
+        assert a["scores"][:, 0].tolist() == a["expected_scores"]  # the run's reward function, row for row
+        mask = a["mask"].bool()
+        torch.testing.assert_close((a["q"] - a["v"][:, :-1])[mask], a["policy"][mask], rtol=1e-4, atol=1e-4)
+        assert (a["probe"].mask.sum(-1) > 0).all() and (a["probe"].logps <= 0).all()

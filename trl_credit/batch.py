@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from trl_credit.turns import Turns
 
 
+#: The dataset column the host adds with each prompt's row index (reward functions receive it too).
+PROMPT_INDEX = "trl_credit_prompt_index"
+
+
 class Scorer(Protocol):
     """What a `RolloutBatch` asks its model backend for (the trainer, or a test double)."""
 
@@ -496,7 +500,8 @@ class RolloutBatch:
                                "trl_credit.testing.make_batch")
         base = [row if self._rows is None else int(self._rows[row]) for row in rows]
         prompts = [self.prompts[r] for r in rows]
-        inputs = [{"prompt": self.prompts[r], **{k: v[r] for k, v in self.columns.items()}} for r in rows]
+        inputs = [{"prompt": self.prompts[r], **{k: v[r] for k, v in self.columns.items()},
+                   PROMPT_INDEX: int(self.prompt_index[r])} for r in rows]  # the columns TRL's rows had
         return root.scorer.score_texts(base, inputs, prompts, list(texts)).to(self.device)
 
     # ----------------------------------------------------------------- views

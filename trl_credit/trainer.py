@@ -30,7 +30,7 @@ from trl.trainer.utils import use_adapter
 
 from trl_credit.adapters import KIND_PREFIX, AuxAdapters, peft_name
 from trl_credit.augment import AUGMENTED, SOURCE_PROMPT
-from trl_credit.batch import PromptStats, RolloutBatch
+from trl_credit.batch import PROMPT_INDEX, PromptStats, RolloutBatch
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.config import PluginSet, build_plugins, check_reward_columns, check_run, reward_names
 from trl_credit.distributed import gather_padded
@@ -39,7 +39,6 @@ from trl_credit.pipeline import Pipeline, kept_advantages
 from trl_credit.refill import RefillStream, assemble, refill_choice
 from trl_credit.sampler import CurriculumSampler
 
-PROMPT_INDEX = "trl_credit_prompt_index"
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # loss averages over rows, so dropped rows dilute
 
 
