@@ -155,6 +155,31 @@ def test_kl_coefficient_needs_a_reference_model_or_peft():
     check_reference(build_plugins(["add_bonus"], INSTALLED), beta=0.0, peft=False)  # nobody asks for KL
 
 
+def test_a_plugin_that_reads_the_reference_declares_it_and_the_host_checks():
+    from trl_credit import Plugin, hookimpl
+    from trl_credit.config import check_reference
+
+    class ReadsRef(Plugin):
+        name = "reads_ref"
+
+        class Config(Plugin.Config):
+            reference: bool = True
+
+        def needs_reference(self):
+            return self.config.reference
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            return None
+
+    with pytest.raises(ConfigError, match=r"plugins\[1\] \(reads_ref\) reads the reference model with these "
+                                          r"options, but this run has none.*use_peft: true.*`beta` > 0"):
+        check_reference(build_plugins(["add_bonus", ReadsRef], INSTALLED), beta=0.0, peft=False)
+    check_reference(build_plugins([ReadsRef], INSTALLED), beta=0.0, peft=True)
+    check_reference(build_plugins([ReadsRef], INSTALLED), beta=0.1, peft=False)
+    check_reference(build_plugins([{"name": ReadsRef, "reference": False}], INSTALLED), beta=0.0, peft=False)
+
+
 def test_options_can_switch_a_hook_off():
     from trl_credit.config import check_reference
 

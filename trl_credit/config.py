@@ -276,15 +276,22 @@ def active_hooks(instance: Any, hooks: list[str], index: int = 0, name: str = "?
 
 
 def check_reference(plugins: PluginSet, beta: float, peft: bool) -> None:
-    """A ``kl_coefficient`` plugin needs reference log-probs: ``beta > 0`` (TRL keeps a reference) or PEFT."""
-    users = plugins.with_hook("kl_coefficient")
-    if users and beta == 0.0 and not peft:
-        p = users[0]
-        raise ConfigError([
-            f"plugins[{p.index}] ({p.name}) sets the KL coefficient, but this run has no reference model: "
-            "set `beta` > 0 in the config (TRL then keeps a reference copy; the plugin replaces the value "
-            "per batch) or train a PEFT adapter (`use_peft: true`; the reference is the base model)"
-        ])
+    """A ``kl_coefficient`` plugin, or one whose ``needs_reference()`` is True, needs the reference model:
+    ``beta > 0`` (TRL keeps a reference) or PEFT (the base model with adapters off)."""
+    if beta != 0.0 or peft:
+        return
+    problems = [
+        f"plugins[{p.index}] ({p.name}) sets the KL coefficient, but this run has no reference model: "
+        "set `beta` > 0 in the config (TRL then keeps a reference copy; the plugin replaces the value "
+        "per batch) or train a PEFT adapter (`use_peft: true`; the reference is the base model)"
+        for p in plugins.with_hook("kl_coefficient")]
+    problems += [
+        f"plugins[{p.index}] ({p.name}) reads the reference model with these options, but this run has none (no "
+        "PEFT adapter, beta 0): train a PEFT adapter (`use_peft: true`; the reference is the base model with "
+        "adapters off), set `beta` > 0 (TRL keeps a frozen copy), or choose the plugin's policy option"
+        for p in plugins.plugins if p.members.needs_reference and "kl_coefficient" not in p.hooks]
+    if problems:
+        raise ConfigError(problems)
 
 
 def _adapter_problems(plugins: PluginSet, peft: bool) -> list[str]:

@@ -16,6 +16,7 @@ member                 meaning                                                  
 ``check_args(run)``    raise `ConfigError` for settings it cannot run with (`RunInfo`)  before load
 ``refill()``           a `Refill` when its filter wants more prompts drawn, else None   config load
 ``adapters()``         auxiliary LoRA adapters it owns (`Adapter`, `adapter(name)`)      config load
+``needs_reference()``  True when this configuration reads the reference model            before load
 ``state_dict()``       plain data to checkpoint, or None (stateless)                    each save
 ``load_state_dict(s)`` restore what ``state_dict()`` returned                            on resume
 =====================  ==============================================================  ==========
@@ -42,7 +43,7 @@ __all__ = ["MEMBERS", "Plugin", "PluginInfo", "Refill", "RunInfo", "adapter_hand
 
 #: The optional members the host knows by name.
 MEMBERS = ("required_rewards", "required_columns", "disabled_hooks", "check_args", "refill", "adapters",
-           "state_dict", "load_state_dict")
+           "needs_reference", "state_dict", "load_state_dict")
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,11 @@ class Plugin:
         """Auxiliary LoRA adapters this configuration owns (`trl_credit.Adapter`); they need a PEFT policy."""
         return ()
 
+    def needs_reference(self) -> bool:
+        """True when this configuration reads the reference model (``ref_logps``, ``model="reference"``): the host
+        then refuses, before the model loads, a run that has none (no PEFT adapter and ``beta == 0``)."""
+        return False
+
     def adapter(self, name: str) -> AdapterHandle:
         """The handle of the declared adapter ``name``: ``.logps(batch)``, ``.update(batch, loss_fn)``, ``model=``."""
         return adapter_handle(self, name)
@@ -164,6 +170,7 @@ class Members:
     refill: Refill | None
     stateful: bool
     adapters: tuple[Adapter, ...] = ()
+    needs_reference: bool = False
 
 
 def members(instance: Any) -> Members:
@@ -185,7 +192,7 @@ def members(instance: Any) -> Members:
     if len(set(names)) != len(names):
         raise ValueError(f"adapters() declares the same name twice: {names}")
     return Members(tuple(call("required_rewards", ()) or ()), tuple(call("required_columns", ()) or ()),
-                   tuple(call("disabled_hooks", ()) or ()), refill, stateful, adapters)
+                   tuple(call("disabled_hooks", ()) or ()), refill, stateful, adapters, bool(call("needs_reference", False)))
 
 
 def adapter_handle(instance: Any, name: str) -> AdapterHandle:

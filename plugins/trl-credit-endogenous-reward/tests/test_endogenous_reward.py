@@ -54,7 +54,7 @@ def test_reward_column_sum_and_mean():
 
 
 def test_check_and_contract():
-    with pytest.raises(ConfigError, match=r"\(endogenous_reward\).*model: 'reference' reads the base model's logits"):
+    with pytest.raises(ConfigError, match=r"\(endogenous_reward\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter"):
         check_args(EndogenousReward, {}, peft=False)
     check_args(EndogenousReward, {}, peft=True)
     check_args(EndogenousReward, {"model": "policy"}, peft=False)

@@ -128,7 +128,7 @@ def test_check_args_refuses_a_reference_without_one():
     from trl_credit import ConfigError
     from trl_credit.testing import check_args
 
-    with pytest.raises(ConfigError, match=r"\(igpo\).*model: 'reference' reads the gold answer.*use_peft: true"):
+    with pytest.raises(ConfigError, match=r"\(igpo\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter"):
         check_args(IGPO, {"model": "reference"}, peft=False)
     check_args(IGPO, {"model": "reference"}, peft=True)
     check_args(IGPO, {}, peft=False)

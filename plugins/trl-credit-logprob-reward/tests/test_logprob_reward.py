@@ -138,8 +138,7 @@ def test_checks():
     check_args(LogprobReward, {"model": "reference"}, peft=True)
     check_args(LogprobReward, {"model": "reference"}, peft=False, beta=0.04)
     check_args(LogprobReward, {}, peft=False)  # the policy needs no reference
-    with pytest.raises(ConfigError, match=r"model: 'reference' needs a reference model, but beta is 0 .*"
-                                          r"use_peft: true"):
+    with pytest.raises(ConfigError, match=r"\(logprob_reward\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter"):
         check_args(LogprobReward, {"model": "reference"}, peft=False)
     with pytest.raises(ConfigError, match=r"reward_name: 'accuracy' is already a reward column.*replace: accuracy"):
         check_args(LogprobReward, {"reward_name": "accuracy"})

@@ -154,7 +154,7 @@ def test_checks():
     check_args(P2S, columns=("prompt", "gold_cot"))
     check_args(P2S, {"model": "reference"}, columns=("prompt", "gold_cot"))  # PEFT: the base model
     check_args(P2S, {"model": "reference"}, columns=("prompt", "gold_cot"), peft=False, beta=0.04)
-    with pytest.raises(ConfigError, match=r"model: 'reference' needs a reference model.*fix: train a LoRA adapter"):
+    with pytest.raises(ConfigError, match=r"\(p2s\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter"):
         check_args(P2S, {"model": "reference"}, columns=("prompt", "gold_cot"), peft=False)
     with pytest.raises(ConfigError, match="gold_cot"):
         check_args(P2S, columns=("prompt", "answer"))  # the host: the dataset has no such column

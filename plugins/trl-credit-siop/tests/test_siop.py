@@ -290,9 +290,7 @@ def test_check_args():
     check_args(SIOP, peft=True)
     check_args(SIOP, peft=False, beta=0.04)
     check_args(SIOP, {"model": "policy"}, peft=False)
-    with pytest.raises(ConfigError, match=r"model: SIOP scores the cluster answers under the frozen reference model "
-                                          r".*but this run has none \(no PEFT adapter is trained and beta is 0\); "
-                                          r"fix: set `use_peft: true`.*`model: policy`"):
+    with pytest.raises(ConfigError, match=r"\(siop\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter.*policy option"):
         check_args(SIOP, peft=False)
     with pytest.raises(ConfigError, match="judge"):  # the reliability column must be a reward column
         check_args(SIOP, {"reliability_reward": "judge"})

@@ -178,9 +178,7 @@ def test_no_cue_scores_the_whole_continuation_without_a_tokenizer():
 def test_check_args():
     check_args(TRACE, peft=True)
     check_args(TRACE, peft=False, beta=0.04)
-    with pytest.raises(ConfigError, match=r"use_peft: TRACE reads the gold answer under the frozen reference model, "
-                                          r"but this run has none \(no PEFT adapter is trained and beta is 0\).*"
-                                          r"set `use_peft: true`"):
+    with pytest.raises(ConfigError, match=r"plugins\[0\] \(trace\) reads the reference model with these options, but this run has none \(no PEFT adapter, beta 0\): train a PEFT adapter"):
         check_args(TRACE, peft=False)
     with pytest.raises(ConfigError, match="gold"):
         check_args(TRACE, {"column": "gold"})

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, RunInfo, hookimpl
+from trl_credit import Plugin, hookimpl
 
 if TYPE_CHECKING:
     import torch
@@ -81,12 +81,8 @@ class EndogenousReward(Plugin):
         column: str = Field("endogenous_reward", description="reward column written (appended, or replaced)")
         weight: float = Field(1.0, description="weight of an appended column in the total reward")
 
-    def check_args(self, run: RunInfo) -> None:
-        beta = float(getattr(run.args, "beta", 0.0) or 0.0)
-        if self.config.model == "reference" and not run.peft and beta == 0.0:
-            raise ConfigError.for_key("model", "'reference' reads the base model's logits, but this run has no "
-                                      "reference model (no PEFT adapter, beta 0)", "train a PEFT adapter "
-                                      "(use_peft: true), set beta > 0, or use model: policy")
+    def needs_reference(self) -> bool:
+        return self.config.model == "reference"
 
     @hookimpl
     def shape_rewards(self, batch: RolloutBatch) -> dict:

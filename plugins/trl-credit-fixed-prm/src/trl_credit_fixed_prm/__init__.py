@@ -84,6 +84,9 @@ class FixedPRM(Plugin):
         column: str = Field("implicit_prm", description="reward column written (appended, or replaced if it exists)")
         weight: float = Field(1.0, description="weight of an appended column in the total reward")
 
+    def needs_reference(self) -> bool:
+        return True  # q = log pi_prm - log pi_ref
+
     def adapters(self):
         return [Adapter("prm", path=self.config.path)] if self.config.path else []  # check_args refuses no path
 

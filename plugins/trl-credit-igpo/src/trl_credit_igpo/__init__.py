@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, RunInfo, discounted_returns, hookimpl, step_ends, token_steps
+from trl_credit import Plugin, discounted_returns, hookimpl, step_ends, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -108,12 +108,8 @@ class IGPO(Plugin):
     def required_columns(self):
         return [self.config.column]
 
-    def check_args(self, run: RunInfo) -> None:
-        beta = float(getattr(run.args, "beta", 0.0) or 0.0)
-        if self.config.model == "reference" and not run.peft and beta == 0.0:
-            raise ConfigError.for_key("model", "'reference' reads the gold answer under the frozen reference model, "
-                                      "but this run has none (no PEFT adapter, beta 0)", "train a PEFT adapter "
-                                      "(use_peft: true), set beta > 0, or use model: policy")
+    def needs_reference(self) -> bool:
+        return self.config.model == "reference"
 
     def required_rewards(self):
         return [self.config.reward] if self.config.reward else []

@@ -131,15 +131,11 @@ class LogprobReward(Plugin):
     def required_rewards(self):
         return [self.config.replace] if self.config.replace else []
 
+    def needs_reference(self) -> bool:
+        return self.config.model == "reference"
+
     def check_args(self, run: RunInfo) -> None:
         cfg = self.config
-        if cfg.model == "reference":
-            beta = float(getattr(run.args, "beta", 0.0) or 0.0)
-            if beta <= 0.0 and not run.peft:
-                raise ConfigError.for_key(
-                    "model", f"'reference' needs a reference model, but beta is {beta:g} and no PEFT adapter is "
-                    "trained", "train a PEFT adapter (`use_peft: true`: the reference is the base model with "
-                    "adapters off), set `beta` > 0 (TRL loads a frozen copy), or use `model: policy`")
         if cfg.replace is None and cfg.reward_name in run.reward_names:
             raise ConfigError.for_key(
                 "reward_name", f"'{cfg.reward_name}' is already a reward column ({', '.join(run.reward_names)}), "

@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, Regex, hookimpl, split_steps, step_ends
+from trl_credit import Plugin, Regex, hookimpl, split_steps, step_ends
 
 if TYPE_CHECKING:
     import torch
 
-    from trl_credit import RolloutBatch, RunInfo
+    from trl_credit import RolloutBatch
 
 __all__ = ["P2S", "group_normalise", "prefix_ends", "proportional_suffixes", "step_credit", "token_step_index"]
 
@@ -136,12 +136,8 @@ class P2S(Plugin):
     def required_columns(self):
         return [self.config.column]
 
-    def check_args(self, run: RunInfo) -> None:
-        if self.config.model == "reference" and not run.peft and not getattr(run.args, "beta", 0.0):
-            raise ConfigError.for_key(
-                "model", "'reference' needs a reference model, and this run has none (no PEFT adapter, beta 0)",
-                "train a LoRA adapter (`use_peft: true`: the reference is the base model), set `beta` > 0, or "
-                "use `model: policy`")
+    def needs_reference(self) -> bool:
+        return self.config.model == "reference"
 
     def path_faithfulness(self, batch: RolloutBatch, before: torch.Tensor, gold: list[str],
                           steps: torch.Tensor) -> torch.Tensor:

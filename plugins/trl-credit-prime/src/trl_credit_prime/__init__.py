@@ -136,6 +136,9 @@ class PRIME(Plugin):
                                                  "(PRIME: the SFT model) or PEFT's fresh init (= the base model)")
         reward: str | None = Field(None, description="outcome reward column (values in [0, 1]); null: the total reward")
 
+    def needs_reference(self) -> bool:
+        return True  # q = log pi_prm - log pi_ref
+
     def adapters(self):
         return [Adapter("prm", init=self.config.init, lr=self.config.lr, max_grad_norm=self.config.max_grad_norm)]
 

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import (AnswerTemplate, ConfigError, Plugin, Regex, RunInfo, completion_text, discounted_returns,
+from trl_credit import (AnswerTemplate, Plugin, Regex, completion_text, discounted_returns,
                         hookimpl, last_number, step_ends)
 
 if TYPE_CHECKING:
@@ -289,14 +289,8 @@ class SIOP(Plugin):
     def required_rewards(self):
         return [self.config.reliability_reward] if self.config.reliability_reward else []
 
-    def check_args(self, run: RunInfo) -> None:
-        beta = float(getattr(run.args, "beta", 0.0) or 0.0)
-        if self.config.model == "reference" and not run.peft and beta == 0.0:
-            raise ConfigError.for_key(
-                "model", "SIOP scores the cluster answers under the frozen reference model (model: reference, as "
-                f"the official frozen scorer), but this run has none (no PEFT adapter is trained and beta is "
-                f"{beta:g})", "set `use_peft: true` (the reference is the base model with adapters off), `beta` > 0 "
-                "(TRL loads a frozen copy of the model), or `model: policy` (score under the current policy)")
+    def needs_reference(self) -> bool:
+        return self.config.model == "reference"  # the official code scores under a frozen model
 
     # ------------------------------------------------------------------ pieces of the hook
     def _clusters(self, batch: RolloutBatch):

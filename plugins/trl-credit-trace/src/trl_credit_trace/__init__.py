@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import AnswerTemplate, ConfigError, Plugin, Regex, RunInfo, hookimpl, step_ends
+from trl_credit import AnswerTemplate, Plugin, Regex, hookimpl, step_ends
 
 if TYPE_CHECKING:
     import torch
@@ -148,13 +148,8 @@ class TRACE(Plugin):
     def required_columns(self):
         return [self.config.column]
 
-    def check_args(self, run: RunInfo) -> None:
-        beta = float(getattr(run.args, "beta", 0.0) or 0.0)
-        if not run.peft and beta == 0.0:
-            raise ConfigError.for_key(
-                "use_peft", "TRACE reads the gold answer under the frozen reference model, but this run has none "
-                f"(no PEFT adapter is trained and beta is {beta:g})", "set `use_peft: true` (the reference is the "
-                "base model with adapters off) or `beta` > 0 (TRL loads a frozen copy of the model)")
+    def needs_reference(self) -> bool:
+        return True  # TRACE reads the gold answer under the frozen reference (the host checks one exists)
 
     def gold_logps(self, batch: RolloutBatch, ends: torch.Tensor, gold: list[str]) -> torch.Tensor:
         """``(N, K+1)`` ``L``: the reference's log-prob of each row's y* after each prefix and the cue (unscored
