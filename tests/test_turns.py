@@ -92,3 +92,14 @@ def test_a_rollout_func_with_env_mask_trains_with_turn_credit(monkeypatch, with_
     if with_refill:  # constant groups were dropped and refilled, and the kept groups trained
         assert max(h["trl_credit/generation_rounds"] for h in logged) > 1
         assert all(h["trl_credit/kept_fraction"] > 0 for h in logged)
+
+
+def test_turn_starts_are_where_each_model_turn_begins():
+    from trl_credit.turns import turns_of
+
+    mask = torch.ones(2, 8, dtype=torch.long)
+    tool = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1, 1, 1]])
+    mask[1, 6:] = 0  # row 1: padding after 6 tokens
+    turns = turns_of(mask, tool)
+    assert turns.starts().tolist() == [[0, 4, 7], [1, 4, -1]]
+    assert turns_of(mask, None).starts().tolist() == [[0], [0]]  # single-turn: one turn from token 0

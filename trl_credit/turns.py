@@ -52,6 +52,20 @@ class Turns:
         gathered = values.gather(1, self.index.clamp(min=0).to(values.device))
         return torch.where(self.model.to(values.device), gathered, torch.zeros((), dtype=values.dtype))
 
+    def starts(self) -> torch.Tensor:
+        """``(N, K)`` long: the completion-token position where each model turn begins, -1 past a row's turns.
+
+        The prefix "after turn ``k``" including the environment's reply to it is ``completion_ids[i, :starts[i,
+        k + 1]]`` (IGPO's and TRACE's turn boundaries; `RolloutBatch.prefix_logps` scores after it).
+        """
+        n, width = self.index.shape
+        first = self.model & ~F.pad(self.model[:, :-1], (1, 0), value=False)
+        out = torch.full((n, self.max_turns), -1, dtype=torch.long, device=self.index.device)
+        if self.max_turns:
+            position = torch.arange(width, device=self.index.device).expand(n, width)
+            out.scatter_reduce_(1, self.index.clamp(min=0), torch.where(first, position, -1), reduce="amax")
+        return out
+
     def last_turn(self) -> torch.Tensor:
         """``(N, T)`` bool: the tokens of each completion's last model turn."""
         return self.model & (self.index == (self.count - 1).unsqueeze(1))

@@ -146,3 +146,25 @@ def test_trains_on_the_tiny_model(tmp_path):
     logs = trainer.state.log_history[0]
     assert math.isfinite(logs["trl_credit/igpo/turns"]) and logs["trl_credit/cost/prefix_sequences"] > 0
     assert trainer.state.log_history[-1]["train_loss"] is not None
+
+
+def test_turn_mode_on_a_multi_turn_rollout_reproduces_the_vector():
+    # c1: model turns at tokens 0-1, 4-5, 7 (environment replies at 2-3 and 6); c2: turns at 0-1 and 3
+    tool = [[1, 1, 0, 0, 1, 1, 0, 1], [1, 1, 0, 1, 0, 0, 0, 0]]
+    mask = [[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]]
+    p = {(0, 0): 0.1, (0, 4): 0.4, (0, 7): 0.5, (1, 0): 0.2, (1, 3): 0.15}  # before each turn (after the reply)
+    seen = []
+
+    def fn(row, end, text, model):
+        seen.append((row, end))
+        return [math.log(p[(row, end)])]
+
+    batch = make_batch([1.0, 0.0], 2, completion_mask=mask, tool_mask=tool, columns={"answer": ["5", "5"]},
+                       prefix_logps_fn=fn)
+    a = run_plugin(IGPO, batch, {"segments": "turns"}).advantages
+    assert sorted(seen) == sorted(p)  # the prefix before turn k ends where turn k begins
+    expected = torch.tensor([[1.535705, 1.535705, 0, 0, 1.457618, 1.457618, 0, 1.900109],
+                             [-1.535705, -1.535705, 0, -0.702780, 0, 0, 0, 0]])
+    torch.testing.assert_close(a, expected, atol=1e-5, rtol=0)  # environment tokens get 0
+    capped = run_plugin(IGPO, batch, {"segments": "turns", "max_steps": 2}).advantages
+    assert torch.isfinite(capped).all() and capped[0, 0] == capped[0, 4]  # turn 1 merged into the first kept

@@ -4,8 +4,9 @@ Method. Each turn of a trajectory is rewarded by how much it raised the policy's
 answer: the gold answer is teacher-forced after the prefix that ends each turn, and the turn's reward is the
 gain in its (geometric-mean) token probability. The final turn gets the task's outcome. All turn rewards of a
 group are normalised together and accumulated backwards, so an early turn is credited with what it enabled.
-Here a "turn" is a step of a single completion (segments between delimiters, `trl_credit.step_ends`); the
-multi-turn mode on TRL's tool and environment rollouts comes with the turn-credit work.
+A "turn" is a step of a single completion (segments between delimiters, `trl_credit.step_ends`) or, with
+``segments: turns``, a model turn of TRL's multi-turn rollouts (`RolloutBatch.turns`): the prefix before turn
+``k`` then ends where turn ``k`` begins, after the environment's reply to turn ``k - 1``.
 
 Formula (completion ``i`` with ``c_i`` turns, ``e_ik`` the token position just past turn ``k``)::
 
@@ -96,6 +97,8 @@ class IGPO(Plugin):
         column: str = Field("answer", description="dataset column with the gold answer")
         cue: str = Field(IGPO_CUE, description="text teacher-forced between a prefix and the gold answer "
                          "(IGPO's pseudo-response up to the answer); only the gold tokens are scored")
+        segments: Literal["steps", "turns"] = Field("steps", description="what a turn is: a step of the text "
+                                                    "(pattern) or a model turn of a multi-turn rollout (TRL's tool mask)")
         pattern: str = Field(r"\n+", description="regex separating steps (turns) in a completion")
         max_steps: int = Field(8, ge=1, description="at most this many turns per completion (the last ones; "
                                "earlier steps merge into the first kept): bounds the scored prefixes")
@@ -121,8 +124,8 @@ class IGPO(Plugin):
         mean = batch.prefix_logps(ends, gold, model=self.config.model, reduce="mean", context=self.config.cue)
         return mean.exp()
 
-    @hookimpl
-    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+    def _step_segments(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps as turns: ``(before (N, K) prefix ends, turns (N,), turn of each token (N, T), -1: none)``."""
         import torch
 
         cfg = self.config
@@ -138,6 +141,39 @@ class IGPO(Plugin):
             inner = ends[:, : k - 1]
             keep = torch.arange(inner.shape[1], device=ends.device).unsqueeze(0) < (steps - 1).unsqueeze(1)
             before[:, 1: 1 + inner.shape[1]] = torch.where(keep, inner, -1)
+        index, all_steps = token_steps(batch, cfg.pattern, fill=True)
+        offset = (torch.tensor([len(s) for s in all_steps], device=index.device) - cfg.max_steps).clamp(min=0)
+        token_turn = torch.where(index >= 0, (index - offset.unsqueeze(1)).clamp(min=0, max=k - 1), -1)
+        return before, turns, token_turn  # merged early steps -> the first kept turn
+
+    def _turn_segments(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's turns of a multi-turn rollout (`RolloutBatch.turns`): the prefix before turn ``k`` holds the
+        environment's reply to turn ``k - 1`` (the information it gained); the last ``max_steps`` turns are kept."""
+        import torch
+
+        info = batch.turns()
+        count = info.count.clamp(min=1)
+        starts = info.starts()  # (N, K)
+        n = batch.num_completions
+        offset = (info.count - self.config.max_steps).clamp(min=0)  # early turns merge into the first kept one
+        turns = count - offset
+        k = max(int(turns.max()) if n else 1, 1)
+        column = torch.arange(k, device=starts.device).unsqueeze(0)
+        source = (column + offset.unsqueeze(1)).clamp(max=max(starts.shape[1] - 1, 0))
+        before = starts.gather(1, source) if starts.shape[1] else torch.zeros(n, k, dtype=torch.long)
+        before[:, 0] = 0
+        before = torch.where(column < turns.unsqueeze(1), before, -1)
+        token_turn = torch.where(info.index >= 0, (info.index - offset.unsqueeze(1)).clamp(min=0, max=k - 1), -1)
+        return before, turns, token_turn
+
+    @hookimpl
+    def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        import torch
+
+        cfg = self.config
+        before, turns, token_turn = (self._turn_segments(batch) if cfg.segments == "turns"
+                                     else self._step_segments(batch))
+        k = before.shape[1]
         p = self.gold_probability(batch, before).nan_to_num(0.0)
         outcome = batch.reward(cfg.reward) if cfg.reward else batch.total_reward()
         rewards, valid = information_gain(p, turns.to(p.device), outcome.to(p.device))
@@ -148,10 +184,7 @@ class IGPO(Plugin):
             last = torch.arange(k, device=p.device).unsqueeze(0) == (turns.to(p.device) - 1).unsqueeze(1)
             z = normalise(rewards, valid & ~last, g) + normalise(rewards, valid & last, g)
         per_turn = accumulate(z, cfg.gamma)  # (N, K)
-        index, all_steps = token_steps(batch, cfg.pattern, fill=True)
-        offset = (torch.tensor([len(s) for s in all_steps], device=index.device) - cfg.max_steps).clamp(min=0)
-        turn = (index - offset.unsqueeze(1)).clamp(min=0, max=k - 1)  # merged early steps -> the first kept turn
-        advantages = per_turn.to(index.device).gather(1, turn) * (index >= 0)
+        advantages = per_turn.to(token_turn.device).gather(1, token_turn.clamp(min=0)) * (token_turn >= 0)
         gains = rewards[valid & (torch.arange(k, device=p.device).unsqueeze(0) < (turns.to(p.device) - 1).unsqueeze(1))]
         if gains.numel():
             self.log_metric(batch, "mean_information_gain", float(gains.mean()))
