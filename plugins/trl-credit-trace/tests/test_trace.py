@@ -214,3 +214,23 @@ def test_trains_with_a_lora_reference(tmp_path):
     logs = trainer.state.log_history[0]
     assert logs["trl_credit/trace/steps"] >= 1 and math.isfinite(logs["trl_credit/trace/step_reward"])
     assert math.isfinite(logs["trl_credit/trace/credit_abs"]) and logs["trl_credit/cost/prefix_sequences"] > 0
+
+
+def test_turn_mode_states_are_turn_boundaries_with_the_replies():
+    # model turns at 0-1, 4-5, 7 (replies at 2-3 and 6): states after the prompt (0), before turn 2 (4),
+    # before turn 3 (7) and after the completion (8); log pi_ref(y*|s_k) = [-6, -4, -4.5, -1] -> r = [2, -0.5, 3.5]
+    values = {0: -6.0, 4: -4.0, 7: -4.5, 8: -1.0}
+    seen = []
+
+    def fn(row, end, text, model):
+        seen.append(end)
+        return [values[end]]
+
+    batch = make_batch([1.0], 1, completion_mask=[[1] * 8], tool_mask=[[1, 1, 0, 0, 1, 1, 0, 1]],
+                       columns={"answer": ["5"]}, prefix_logps_fn=fn)
+    result = run_plugin(TRACE, batch, {"segments": "turns", "normalise": "none", "coef": 1.0, "cue": ""})
+    assert sorted(seen) == [0, 4, 7, 8]
+    assert result.metrics["trace/step_reward"] == pytest.approx(5.0 / 3)
+    # each turn's reward on its own tokens (the reply after it shares its step; TRL's loss ignores reply tokens)
+    # (the outcome advantage of a group of one is 0, so the advantages are the credit)
+    torch.testing.assert_close(result.advantages[0, [0, 1, 4, 5, 7]], torch.tensor([2.0, 2.0, -0.5, -0.5, 3.5]))

@@ -4,9 +4,10 @@ Method. A frozen reference model reads the gold answer ``y*`` after every step b
 log-probability it gives ``y*``, relative to its value before the first step, is the *state value*, and each
 action (step) is rewarded by the change it made to that value (a TD difference with gamma = 1, so the rewards of
 a trajectory telescope to its final value and a step that changes nothing earns 0). The dense rewards are
-combined with the outcome. This plugin runs TRACE's *step mode* on single completions: the steps are segments
-of the completion between delimiters (`trl_credit.step_ends`). The multi-turn (tool-call turn) mode is not
-implemented.
+combined with the outcome. Steps are segments of a completion between delimiters (`trl_credit.step_ends`), or,
+with ``segments: turns``, the model turns of TRL's multi-turn rollouts (`RolloutBatch.turns`): the state after
+turn ``k`` is the prefix up to where turn ``k + 1`` begins (the environment's reply included), the last state
+the whole completion.
 
 Formula (completion ``i`` with kept steps ``k = 1..K_i``, ``e_ik`` the token position just past step ``k``,
 ``e_i0 = 0`` the prompt alone, ``g`` its group, ``A_i`` the outcome advantage from the estimator)::
@@ -129,6 +130,9 @@ class TRACE(Plugin):
         cue: str = Field("\nThe answer is", description="text teacher-forced between a state and y* (context, "
                          "not scored); empty: y* right after the state")
         template: AnswerTemplate = Field(" {answer}", description="the scored answer text; {answer} is replaced by y*")
+        segments: Literal["steps", "turns"] = Field("steps", description="what a step is: a segment of the text "
+                                                    "(pattern) or a model turn of a multi-turn rollout (TRL's tool "
+                                                    "mask; the state after a turn includes the environment's reply)")
         pattern: Regex = Field(r"\n+", description="regex separating the steps of a completion (delimiter included "
                              "in the step it closes)")
         max_steps: int = Field(8, ge=1, description="at most this many steps per completion (the last ones; "
@@ -158,6 +162,25 @@ class TRACE(Plugin):
         texts = [cfg.template.replace("{answer}", g) for g in gold]
         return batch.prefix_logps(ends, texts, model="reference", reduce=cfg.reduce, context=cfg.cue or None)
 
+    def _turn_ends(self, batch: RolloutBatch) -> torch.Tensor:
+        """``(N, K)`` the state after each model turn of a multi-turn rollout: where the next turn begins (the
+        environment's reply included), the completion's end after the last; the last ``max_steps`` are kept."""
+        import torch
+
+        info = batch.turns()
+        starts, count = info.starts().cpu(), info.count.cpu()
+        n, k = starts.shape
+        if k == 0:
+            return torch.full((n, 0), -1, dtype=torch.long)
+        column = torch.arange(k).unsqueeze(0)
+        ends = torch.cat([starts[:, 1:], torch.full((n, 1), -1, dtype=torch.long)], dim=1)
+        ends = torch.where(column == (count - 1).unsqueeze(1), batch.completion_lengths.cpu().unsqueeze(1), ends)
+        ends = torch.where(column < count.unsqueeze(1), ends, -1)
+        if k > self.config.max_steps:  # keep the last max_steps states: earlier turns merge into the first kept
+            keep = column[:, : self.config.max_steps] + (count - self.config.max_steps).clamp(min=0).unsqueeze(1)
+            ends = torch.where(keep < count.unsqueeze(1), ends.gather(1, keep.clamp(max=k - 1)), -1)
+        return ends
+
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor | None:
         import torch
@@ -167,7 +190,8 @@ class TRACE(Plugin):
         answers = batch.column(cfg.column)
         has_gold = torch.tensor([_has_answer(a) for a in answers], dtype=torch.bool)
         gold = [str(a).strip() if ok else "" for a, ok in zip(answers, has_gold.tolist())]
-        ends = step_ends(batch, cfg.pattern, cfg.max_steps).cpu()  # (N, K) ends of the kept steps, -1 padding
+        ends = (self._turn_ends(batch) if cfg.segments == "turns"  # (N, K) ends of the kept steps, -1 padding
+                else step_ends(batch, cfg.pattern, cfg.max_steps).cpu())
         steps = (ends >= 0).sum(1)
         scored_row = (steps > 0) & has_gold & batch.kept.cpu()  # rows worth a scoring pass
         if not scored_row.any():  # nothing to score: the outcome advantages stand
