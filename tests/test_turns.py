@@ -103,3 +103,13 @@ def test_turn_starts_are_where_each_model_turn_begins():
     turns = turns_of(mask, tool)
     assert turns.starts().tolist() == [[0, 4, 7], [1, 4, -1]]
     assert turns_of(mask, None).starts().tolist() == [[0], [0]]  # single-turn: one turn from token 0
+
+
+def test_turn_ends_hold_the_reply_and_cap_the_turns():
+    from trl_credit import turn_ends
+    from trl_credit.testing import make_batch
+
+    batch = make_batch([1, 0], 2, completion_mask=[[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]],
+                       tool_mask=[[1, 1, 0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1, 1, 1]])
+    assert turn_ends(batch).tolist() == [[4, 7, 8], [4, -1, -1]]  # where the next turn begins; the end last
+    assert turn_ends(batch, max_turns=2).tolist() == [[7, 8], [4, -1]]  # row 1 has one turn (1-2)

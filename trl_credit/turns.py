@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Turns", "turns_of"]
+__all__ = ["Turns", "turn_ends", "turns_of"]
 
 
 @dataclass
@@ -85,3 +85,23 @@ def turns_of(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> T
     if k:
         lengths.scatter_add_(1, index.clamp(min=0), model.long())
     return Turns(index, model, env, count, replies, lengths)
+
+
+def turn_ends(batch, max_turns: int | None = None) -> torch.Tensor:
+    """``(N, K)`` long: the state after each model turn of ``batch``'s multi-turn rollouts, as a completion-token
+    prefix length: where the next turn begins (the tool's or environment's reply included), the completion's end
+    after the last turn; -1 past a row's turns. The turn analogue of `trl_credit.step_ends` (TRACE, SIOP):
+    ``max_turns`` keeps the last ``max_turns`` states (earlier turns merge into the first kept one)."""
+    info = batch.turns()
+    starts, count = info.starts(), info.count
+    n, k = starts.shape
+    if k == 0:
+        return torch.full((n, 0), -1, dtype=torch.long, device=starts.device)
+    column = torch.arange(k, device=starts.device).unsqueeze(0)
+    ends = torch.cat([starts[:, 1:], torch.full((n, 1), -1, dtype=torch.long, device=starts.device)], dim=1)
+    ends = torch.where(column == (count - 1).unsqueeze(1), batch.completion_lengths.to(starts.device).unsqueeze(1), ends)
+    ends = torch.where(column < count.unsqueeze(1), ends, -1)
+    if max_turns is not None and k > max_turns:
+        keep = column[:, :max_turns] + (count - max_turns).clamp(min=0).unsqueeze(1)
+        ends = torch.where(keep < count.unsqueeze(1), ends.gather(1, keep.clamp(max=k - 1)), -1)
+    return ends

@@ -333,3 +333,20 @@ def test_trains_with_a_lora_reference(tmp_path):
     assert logs["trl_credit/siop/answered"] > 0 and logs["trl_credit/siop/scored"] > 0
     assert math.isfinite(logs["trl_credit/siop/potential_gain"]) and math.isfinite(logs["trl_credit/siop/credit_abs"])
     assert logs["trl_credit/cost/prefix_sequences"] > 0
+
+
+def test_turn_mode_scores_at_the_turn_boundaries():
+    from trl_credit import turn_ends
+
+    # two rollouts of one group with the same answer "5": model turns at 0-1 and 4-5 (reply at 2-3)
+    tool = [[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]]
+    batch = make_batch([1.0, 1.0], 2, completion_mask=[[1] * 6] * 2, tool_mask=tool,
+                       completions=["a 5", "b 5"], columns={"answer": ["5", "5"]},
+                       prefix_logps_fn=lambda row, end, text, model: [{0: -2.0, 4: -1.0, 6: -0.5}[end]])
+    assert turn_ends(batch).tolist() == [[4, 6], [4, 6]]  # after turn 1 (its reply included), after turn 2
+    result = run_plugin(SIOP, batch, {"segments": "turns", "normalise": "none", "coef": 1.0, "credit": "step",
+                                      "min_steps": 1})
+    assert result.metrics["siop/scored"] == 1.0 and result.metrics["siop/steps"] == 2.0
+    # one cluster (q = 1): Phi = log S = [-2, -1, -0.5] -> r = [1, 0.5] on the tokens of turn 1 (its reply
+    # included) and turn 2; both outcomes are 1, so GRPO's advantage is 0 and the advantages are the credit
+    torch.testing.assert_close(result.advantages, torch.tensor([[1.0, 1, 1, 1, 0.5, 0.5]] * 2), atol=1e-5, rtol=0)

@@ -5,8 +5,9 @@ target distribution ``q`` over the clusters (their frequencies, optionally calib
 trusted. A cluster's answer is teacher-forced after every step prefix of a completion; the rise of its
 (geometric-mean) probability from one prefix to the next is the step's potential-based reward, weighted by the
 cluster's ``q``. The gold-answer limit (one cluster, ``q = 1``, the gold answer as its text) is IGPO's information
-gain. Here the turns are the steps of single completions (segments between delimiters, `trl_credit.step_ends`);
-the multi-turn (tool-call turn) mode is not implemented.
+gain. The turns are the steps of single completions (segments between delimiters, `trl_credit.step_ends`) or,
+with ``segments: turns``, the model turns of TRL's multi-turn rollouts (`trl_credit.turn_ends`: the state after a
+turn includes the environment's reply to it).
 
 Formula (group ``g`` of ``G`` completions, ``a_i`` completion ``i``'s extracted answer, ``e_ik`` the token position
 just past its step ``k = 1..K_i``, ``e_i0 = 0`` the prompt alone, ``A_i`` the outcome advantage from the estimator)::
@@ -85,7 +86,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trl_credit import (AnswerTemplate, Plugin, Regex, completion_text, discounted_returns,
-                        hookimpl, last_number, step_ends)
+                        hookimpl, last_number, step_ends, turn_ends)
 
 if TYPE_CHECKING:
     import torch
@@ -262,6 +263,9 @@ class SIOP(Plugin):
                          "scored); the official pseudo-response prefix by default")
         template: AnswerTemplate = Field("{answer}", description="the scored reference text; {answer} is replaced by the "
                               "cluster's answer text")
+        segments: Literal["steps", "turns"] = Field("steps", description="what a turn is: a segment of the text "
+                                                    "(pattern) or a model turn of a multi-turn rollout (TRL's tool "
+                                                    "mask; the state after a turn includes the environment's reply)")
         pattern: Regex = Field(r"\n+", description="regex separating the steps (turns) of a completion (delimiter "
                              "included in the step it closes)")
         max_steps: int = Field(8, ge=1, description="at most this many steps per completion (the last ones; "
@@ -349,7 +353,8 @@ class SIOP(Plugin):
             self.log_metric(batch, "clusters", float(distinct[group_answered].mean()))
             self.log_metric(batch, "top_share", float(w[group_answered, 0].mean()))
         q_row = w.gather(1, ranks.reshape(-1, g).clamp(min=0)).reshape(-1) * answered  # w of the row's cluster
-        ends = step_ends(batch, cfg.pattern, cfg.max_steps).cpu()  # (N, K) ends of the kept steps, -1 padding
+        ends = (turn_ends(batch, cfg.max_steps) if cfg.segments == "turns"  # (N, K) ends of the kept steps
+                else step_ends(batch, cfg.pattern, cfg.max_steps)).cpu()
         steps = (ends >= 0).sum(1)
         eligible = (q_row > 0) if cfg.potential == "own" else group_answered.repeat_interleave(g)
         base = eligible & (steps > 0) & batch.kept.cpu()

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import AnswerTemplate, Plugin, Regex, hookimpl, step_ends
+from trl_credit import AnswerTemplate, Plugin, Regex, hookimpl, step_ends, turn_ends
 
 if TYPE_CHECKING:
     import torch
@@ -162,25 +162,6 @@ class TRACE(Plugin):
         texts = [cfg.template.replace("{answer}", g) for g in gold]
         return batch.prefix_logps(ends, texts, model="reference", reduce=cfg.reduce, context=cfg.cue or None)
 
-    def _turn_ends(self, batch: RolloutBatch) -> torch.Tensor:
-        """``(N, K)`` the state after each model turn of a multi-turn rollout: where the next turn begins (the
-        environment's reply included), the completion's end after the last; the last ``max_steps`` are kept."""
-        import torch
-
-        info = batch.turns()
-        starts, count = info.starts().cpu(), info.count.cpu()
-        n, k = starts.shape
-        if k == 0:
-            return torch.full((n, 0), -1, dtype=torch.long)
-        column = torch.arange(k).unsqueeze(0)
-        ends = torch.cat([starts[:, 1:], torch.full((n, 1), -1, dtype=torch.long)], dim=1)
-        ends = torch.where(column == (count - 1).unsqueeze(1), batch.completion_lengths.cpu().unsqueeze(1), ends)
-        ends = torch.where(column < count.unsqueeze(1), ends, -1)
-        if k > self.config.max_steps:  # keep the last max_steps states: earlier turns merge into the first kept
-            keep = column[:, : self.config.max_steps] + (count - self.config.max_steps).clamp(min=0).unsqueeze(1)
-            ends = torch.where(keep < count.unsqueeze(1), ends.gather(1, keep.clamp(max=k - 1)), -1)
-        return ends
-
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor | None:
         import torch
@@ -190,8 +171,8 @@ class TRACE(Plugin):
         answers = batch.column(cfg.column)
         has_gold = torch.tensor([_has_answer(a) for a in answers], dtype=torch.bool)
         gold = [str(a).strip() if ok else "" for a, ok in zip(answers, has_gold.tolist())]
-        ends = (self._turn_ends(batch) if cfg.segments == "turns"  # (N, K) ends of the kept steps, -1 padding
-                else step_ends(batch, cfg.pattern, cfg.max_steps).cpu())
+        ends = (turn_ends(batch, cfg.max_steps) if cfg.segments == "turns"  # (N, K) ends of the kept steps
+                else step_ends(batch, cfg.pattern, cfg.max_steps)).cpu()
         steps = (ends >= 0).sum(1)
         scored_row = (steps > 0) & has_gold & batch.kept.cpu()  # rows worth a scoring pass
         if not scored_row.any():  # nothing to score: the outcome advantages stand
