@@ -170,20 +170,22 @@ class _StaticScorer:
         shape = (num_samples, max_new_tokens)
         for row, end, cue in zip(rows, ends, cues):
             given = fn(row, end, cue, model)  # {"tokens": S x L' ids, "topk_ids"/"topk_logps": S x L' x k', ...}
-            tokens = torch.as_tensor(given["tokens"], dtype=torch.long)
+            tokens = torch.as_tensor(given["tokens"], dtype=torch.long)[:num_samples, :max_new_tokens]
             s, steps = tokens.shape
-            mask = torch.as_tensor(given.get("mask", torch.ones(s, steps)), dtype=torch.long)
+            cut = (slice(0, s), slice(0, steps))  # the fn may give more samples or tokens than asked: cut
+            mask = torch.as_tensor(given.get("mask", torch.ones(s, steps)), dtype=torch.long)[cut]
             sample = {"tokens": torch.zeros(shape, dtype=torch.long), "mask": torch.zeros(shape, dtype=torch.long),
                       "logps": torch.zeros(shape), "topk_ids": torch.full((*shape, top_k), -1, dtype=torch.long),
                       "topk_logps": torch.full((*shape, top_k), -math.inf)}
             sample["tokens"][:s, :steps], sample["mask"][:s, :steps] = tokens, mask
-            sample["logps"][:s, :steps] = torch.as_tensor(given.get("logps", torch.zeros(s, steps)), dtype=torch.float32)
+            sample["logps"][:s, :steps] = torch.as_tensor(given.get("logps", torch.zeros(s, steps)),
+                                                          dtype=torch.float32)[cut]
             if "topk_ids" in given:
-                ids = torch.as_tensor(given["topk_ids"], dtype=torch.long)
+                ids = torch.as_tensor(given["topk_ids"], dtype=torch.long)[cut][..., :top_k]
                 sample["topk_ids"][:s, :steps, : ids.shape[-1]] = ids
-                sample["topk_logps"][:s, :steps, : ids.shape[-1]] = torch.as_tensor(given["topk_logps"],
-                                                                                    dtype=torch.float32)
-            sample["texts"] = list(given.get("texts", [""] * s))
+                sample["topk_logps"][:s, :steps, : ids.shape[-1]] = torch.as_tensor(
+                    given["topk_logps"], dtype=torch.float32)[cut][..., :top_k]
+            sample["texts"] = list(given.get("texts", [""] * s))[:s]
             out.append(sample)
         return out
 

@@ -120,6 +120,9 @@ class SEED(Plugin):
         self._rows: torch.Tensor | None = None  # (N,) s_i
         self._skilled: torch.Tensor | None = None  # (N, T) q: log-probs under the skill-augmented context
 
+    def required_columns(self):
+        return [self.config.skill_column]
+
     def check_args(self, run: RunInfo) -> None:
         """The skill column must be in the dataset (when its columns are known before loading)."""
         column = self.config.skill_column
