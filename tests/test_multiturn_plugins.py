@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from trl_credit.plugins import available
-from trl_credit.testing import check_plugin, plugin_set, tiny_model_path
+from trl_credit.testing import check_plugin, plugin_set, tiny_tokenizer
 
 TEXTS = ["1 + 2 = 3\nso 3", "<tool>calc</tool> 3", "2 + 2 = 5\n5", "no", "4 + 4 = 8\nthe answer is 8", "", "8", "7\n8"]
 REWARDS = [1.0, 1.0, 0.0, 0.0, 1.0, None, 1.0, 0.0]
@@ -30,7 +29,7 @@ def _options(name, tmp_path):
 def multi_turn_batch(name, config):
     from trl_credit.testing import make_batch
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] or [] for t in TEXTS]
     width = max(len(i) for i in ids)
     tool = torch.ones(len(ids), width, dtype=torch.long)

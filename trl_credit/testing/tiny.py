@@ -148,6 +148,20 @@ def tiny_model_path(seed: int = 0) -> str:
     return str(build_cached(target, lambda tmp: tiny_model(tmp, vocab_from=tokenizer_dir, seed=seed), meta))
 
 
+def tiny_tokenizer() -> Any:
+    """The tiny model's tokenizer (the embedded model's), loaded once: real ids and text for `make_batch`
+    (``completion_ids=``, ``tokenizer=``) when a plugin tokenises a gold answer or decodes a prefix."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from transformers import AutoTokenizer
+
+        _TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
+    return _TOKENIZER
+
+
+_TOKENIZER: Any = None
+
+
 # --------------------------------------------------------------------------------------------------
 # a tiny task and a short real training run
 

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 
 from trl_credit import ConfigError
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_grpo_care import GRPOCARE, accurate_set, answer_spans, answer_token_mask, care_bonus
 
 ANSWERED = ["<think>a</think><answer>4</answer>", "<think>b</think><answer>4</answer>",
@@ -128,11 +128,9 @@ def test_answer_token_mask_with_one_character_tokens():
 
 
 def test_answer_token_mask_with_a_real_tokenizer():
-    from transformers import AutoTokenizer
 
-    from trl_credit.testing import tiny_model_path
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())  # the tiny model's (SmolLM2) tokenizer
+    tok = tiny_tokenizer()  # the tiny model's (SmolLM2) tokenizer
     texts = ["<think>7+5</think>\n<answer> 12 </answer>", "The sum is 1,234.5.\n",
              "<answer>-4</answer>\n<answer>x=19</answer>", "hello"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]

@@ -7,21 +7,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from trl_credit.testing import check_plugin, make_batch, run_plugin, tiny_dataset, train_tiny
+from trl_credit.testing import check_plugin, make_batch, run_plugin, tiny_dataset, tiny_tokenizer, train_tiny
 from trl_credit_igpo import IGPO, IGPO_CUE, accumulate, information_gain, normalise
-
-TOKENIZER = None
-
-
-def tokenizer():
-    global TOKENIZER
-    if TOKENIZER is None:
-        from trl_credit.testing import tiny_model_path
-
-        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
-    return TOKENIZER
 
 
 def test_information_gain_vector():
@@ -48,7 +36,7 @@ P = {0: [0.1, 0.4, 0.5], 1: [0.2, 0.15]}  # gold probability before each turn
 
 
 def igpo_batch(texts=TEXTS, outcome=(1.0, 0.0), p=P, **kw):
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     boundaries = {}  # (row, prefix end) -> P
 
@@ -84,7 +72,7 @@ def test_end_to_end_advantages_on_the_tokens_of_each_step():
 
 
 def test_the_cue_is_context_and_the_gold_tokens_alone_are_averaged():
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     texts = ["a\nb"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     seen = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_credit import ConfigError
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_logprob_reward import LogprobReward, fill_missing, split_reasoning
 
 LOG_HALF, LOG_QUARTER = math.log(0.5), math.log(0.25)
@@ -69,11 +69,9 @@ def test_the_scored_texts_string_prompts_and_model():
 
 
 def test_chat_prompts_are_rendered_with_the_generation_prompt():
-    from transformers import AutoTokenizer
 
-    from trl_credit.testing import tiny_model_path
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())
+    tok = tiny_tokenizer()
     calls = []
     prompt = [{"role": "user", "content": "What is 3 + 4?"}]
     completions = ["The answer is 7", [{"role": "assistant", "content": "= 8"}]]  # a string and a message list

@@ -8,20 +8,10 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from trl_credit import ConfigError, token_steps
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_model_path, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_mrt import MRT, MRT_CUE, answer_prefix
-
-TOKENIZER = None
-
-
-def tokenizer():
-    global TOKENIZER
-    if TOKENIZER is None:
-        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
-    return TOKENIZER
 
 
 # row 0: three lines, ends 8, 12 and 14 (its EOS), 13 without the EOS; row 1: one token, no EOS
@@ -36,7 +26,7 @@ def judge(row, text):
 def mrt_batch(rewards, answers, texts=TEXTS, calls=None, scored=None, score=judge, eos_on=(0,), samples=None, **kw):
     """``answers[(row, end)]``: the forced answers sampled after that prefix (one per sample; ``samples``: repeated
     or cut to that many)."""
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if i in eos_on else [])
            for i, t in enumerate(texts)]
 

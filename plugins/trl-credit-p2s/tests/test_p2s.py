@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trl_credit import ConfigError
-from trl_credit.testing import check_args, check_plugin, make_batch, plugin_set, run_plugin, tiny_dataset, train_tiny
+from trl_credit.testing import (check_args, check_plugin, make_batch, plugin_set, run_plugin, tiny_dataset,
+                                tiny_tokenizer, train_tiny)
 from trl_credit_p2s import P2S, group_normalise, proportional_suffixes, token_step_index
 
 # two completions of one prompt, two steps each; with one character per token, "ab\ncd" has step ends [3, 5]
@@ -109,11 +110,9 @@ def test_token_step_index():
 
 
 def test_the_prefixes_leave_out_eos():
-    from transformers import AutoTokenizer
 
-    from trl_credit.testing import tiny_model_path
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())  # the tiny model's (SmolLM2) tokenizer
+    tok = tiny_tokenizer()  # the tiny model's (SmolLM2) tokenizer
     texts = ["First step\nthen 42", "One line"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     calls = []

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from trl_credit.testing import check_args, check_plugin, loss_inputs, make_batch, run_loss, run_plugin, train_tiny
+from trl_credit.testing import (check_args, check_plugin, loss_inputs, make_batch, run_loss, run_plugin,
+                                tiny_tokenizer, train_tiny)
 from trl_credit_pppo import PPPO, prefix_lengths, prefix_mask
 
 
@@ -47,11 +48,9 @@ def test_loss_weights_through_the_host():
 
 def test_continuation_accumulated_reward():
     # prefix texts come from the ids via the tokenizer: use a real one so decode works
-    from transformers import AutoTokenizer
 
-    from trl_credit.testing import tiny_model_path
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())
+    tok = tiny_tokenizer()
     texts = ["1 2 3 4", "5 6 7 8"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 

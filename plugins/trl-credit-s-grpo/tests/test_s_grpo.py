@@ -4,9 +4,8 @@ ones, the requests it makes (prefix + cue prompts), the contract, and a real run
 from __future__ import annotations
 
 import torch
-from transformers import AutoTokenizer
 
-from trl_credit.testing import check_plugin, make_batch, run_plugin, tiny_model_path, train_tiny
+from trl_credit.testing import check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_s_grpo import CONTEXT, CUE, SGRPO, exit_positions, serial_advantages, serial_rewards
 
 
@@ -37,7 +36,7 @@ def test_serial_rows_get_decayed_advantages_parallel_rows_keep_grpo():
 
 
 def test_requests_continue_the_first_completion_of_each_group_after_the_cue():
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())
+    tok = tiny_tokenizer()
     texts = ["1 + 2 = 3 so", "x", "4 + 4 = 8", "y"]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     batch = make_batch([1, 0, 1, 0], 2, completion_ids=ids, completions=texts, tokenizer=tok, prompts=["Q1:"] * 2
@@ -55,7 +54,7 @@ def test_requests_continue_the_first_completion_of_each_group_after_the_cue():
 
 
 def test_contract():
-    tok = AutoTokenizer.from_pretrained(tiny_model_path())
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ("1 + 1 = 2", "", "3", "4 4")]
 
     def edge():  # a real tokenizer, an empty completion, one serial group

@@ -12,10 +12,9 @@ import torch
 from peft import LoraConfig
 
 from trl_credit import ConfigError, Plugin, hookimpl, step_ends
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_siop import SIOP, cluster_ranks, extract_answer, normalise, target_distribution
 
-TOKENIZER = None
 LN2 = math.log(2.0)
 # one group of four (the SmolLM2 tokenizer): step ends [8, 16] (row 0 ends with an EOS: its last state is read at
 # 15), [7, 12], [5, 8], [3, 5]; answers 5, 5.0 (the same cluster as 5), 7, none
@@ -30,21 +29,10 @@ P = [
 RAW = {"normalise": "none", "credit": "step", "coef": 1.0}
 
 
-def tokenizer():
-    global TOKENIZER
-    if TOKENIZER is None:
-        from transformers import AutoTokenizer
-
-        from trl_credit.testing import tiny_model_path
-
-        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
-    return TOKENIZER
-
-
 def make(texts=TEXTS, rewards=(1.0, 0.0, 0.0, 0.0), probs=P, *, eos=(0,), calls=None, num_generations=None, **kw):
     """A batch of real token ids; the scorer gives ``probs[row][text][k]`` after state k (as a per-token log-prob,
     so the mean is log P whatever the length; the host passes the scored text alone, never the cue)."""
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if i in eos else [])
            for i, t in enumerate(texts)]
     ends: dict[int, list[int]] = {}

@@ -8,21 +8,12 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from trl_credit import ConfigError, Plugin, hookimpl, token_steps
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_model_path, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_spae import SPAE, SPAE_CUE, potential, potential_deltas, probe_scores
 
-TOKENIZER = None
 E10 = math.exp(-10)
-
-
-def tokenizer():
-    global TOKENIZER
-    if TOKENIZER is None:
-        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
-    return TOKENIZER
 
 
 def test_potential_vectors():
@@ -98,7 +89,7 @@ P = {(0, 4): 0.0, (0, 8): 0.5, (0, 12): 1.0, (0, 16): 1.0, (1, 8): 0.5, (1, 9): 
 def spae_batch(rewards=(1.0, 0.0), texts=TEXTS, answers=ANSWERS, p=P, calls=None, eos_on=(0,), **kw):
     """A batch whose probe after (row, end) lists the gold's first token at p (p = 0: absent, another token at 1):
     acc = p, conf = p^p (1-p)^(1-p); so p 0 -> Phi = 2e-10 - 1, p .5 -> Phi .125, p 1 -> Phi 1."""
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if i in eos_on else [])
            for i, t in enumerate(texts)]
     gold = {i: tok(a, add_special_tokens=False)["input_ids"][0] for i, a in enumerate(answers)}

@@ -11,23 +11,11 @@ import torch
 from peft import LoraConfig
 
 from trl_credit import ConfigError, Plugin, hookimpl, step_ends
-from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, train_tiny
+from trl_credit.testing import check_args, check_plugin, make_batch, run_plugin, tiny_tokenizer, train_tiny
 from trl_credit_trace import TRACE, action_rewards, normalise, reward_to_go, state_values
 
-TOKENIZER = None
 THREE = "1 + 1 = 2\n2 + 2 = 4\n4 + 1 = 5"  # steps end at tokens 8, 16, 23 (the SmolLM2 tokenizer)
 VECTOR = [-6.0, -4.0, -4.5, -1.0]  # log pi_ref(y* | s_k), k = 0..3
-
-
-def tokenizer():
-    global TOKENIZER
-    if TOKENIZER is None:
-        from transformers import AutoTokenizer
-
-        from trl_credit.testing import tiny_model_path
-
-        TOKENIZER = AutoTokenizer.from_pretrained(tiny_model_path())
-    return TOKENIZER
 
 
 def test_vector_values_and_td_rewards():
@@ -59,7 +47,7 @@ def make(texts, rewards, values, *, eos=(), answers=None, cue="\nThe answer is",
          **kw):
     """A batch of real token ids; the reference scores y* after state k of row i with ``values[i][k]`` (summed
     over y*'s tokens; the host passes the scored text alone: the cue is unscored context)."""
-    tok = tokenizer()
+    tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if i in eos else [])
            for i, t in enumerate(texts)]
     ends = {}
