@@ -13,6 +13,8 @@ Mode ``dense``: 2 steps with a plugin that calls every extra scorer (prefix_logp
 score_texts, soft_values) and keeps what it got, with the policy's log-probs to check them against.
 Mode ``augment``: 2 steps where an ``augment_rollouts`` plugin adds two hinted groups and a loss plugin
 checks, in every micro-batch, that its ``rows`` point at its own completions in the gathered batch.
+Modes ``tools`` / ``environment``: 2 steps of TRL's own tool loop with scripted sampling (tests/scripted_tools.py),
+with refill in ``tools``; saves each batch's turns, tool calls and failures and the environment's per-turn values.
 """
 
 import sys
@@ -89,6 +91,17 @@ class DenseScores:
                         "q": q, "v": v, "policy": batch.policy_logps(), "mask": batch.completion_mask.cpu()})
 
 
+class ToolTurns:
+    """Keeps every finished batch's turns and (environment mode) the recorded per-turn totals."""
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        turns = batch.turns()
+        records.append({"prompts": batch.prompts, "count": turns.count.cpu(), "calls": turns.calls.cpu(),
+                        "failures": turns.failures.cpu(), "env": turns.env.cpu(), "completion_ids": batch.completion_ids.cpu(),
+                        "values": batch.turn_values("total").cpu() if mode == "environment" else None})
+
+
 class CreditRecorder(CreditGRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -107,6 +120,25 @@ class MidPassRate:
         p = stats.pass_rate()
         return torch.where(torch.isnan(p), torch.ones_like(p), p * (1 - p) + 0.01)
 
+
+if mode in ("tools", "environment"):
+    import os
+
+    import scripted_tools as st
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=128,
+                      max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+                      seed=0, learning_rate=1e-3)
+    extra = ({"tools": [st.add], "reward_funcs": [st.digit_reward],
+              "plugins": [{"name": fx.DropConstant, "max_refill_rounds": 2}, ToolTurns]} if mode == "tools" else
+             {"environment_factory": st.AddEnvironment, "reward_funcs": [st.env_reward], "plugins": [ToolTurns]})
+    trainer = st.ScriptedToolTrainer(model=tiny_model_path(), args=args, train_dataset=make_arithmetic(64, seed=1),
+                                     processing_class=st.chatml_tool_tokenizer(), **extra)
+    trainer.train()
+    torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
+                "log_history": trainer.state.log_history}, f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
+    sys.exit(0)
 
 resuming = mode.startswith("resume")
 steps = 4 if mode == "curriculum" or resuming else 2

@@ -147,3 +147,33 @@ def test_extra_scorers_are_collective_and_score_every_row_once(tmp_path, tiny_mo
         mask = a["mask"].bool()
         torch.testing.assert_close((a["q"] - a["v"][:, :-1])[mask], a["policy"][mask], rtol=1e-4, atol=1e-4)
         assert (a["probe"].mask.sum(-1) > 0).all() and (a["probe"].logps <= 0).all()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,port", [("tools", 29541), ("environment", 29543)])
+def test_tool_and_environment_paths_on_two_processes(tmp_path, tiny_model, mode, port):
+    """TRL's tool loop on each rank's own rows; every rank sees the same gathered turns, calls, failures and
+    environment values, and each row's are what the script did for its prompt."""
+    import math
+
+    import scripted_tools as st
+
+    ranks = launch_two(tmp_path, mode, port)
+    assert [r["world"] for r in ranks] == [2, 2]
+    a_steps, b_steps = ranks[0]["records"], ranks[1]["records"]
+    assert len(a_steps) == len(b_steps) == 2
+    for a, b in zip(a_steps, b_steps):
+        for key in ("count", "calls", "failures", "env", "completion_ids"):
+            assert torch.equal(a[key], b[key]), key
+        assert a["prompts"] == b["prompts"] and a["count"].numel() == 8  # 2 groups of 4, half on each rank
+        for i, prompt in enumerate(a["prompts"]):
+            calls, failures = st.expected_turns(st.conversation_text(prompt))
+            assert int(a["count"][i]) == len(calls) and a["calls"][i, :len(calls)].tolist() == calls
+            assert a["failures"][i, :len(calls)].tolist() == failures
+            if mode == "environment":
+                plan = st.plan_of(st.conversation_text(prompt))
+                assert a["values"][i, plan - 1].item() == 5.0 if plan else math.isnan(a["values"][i, 0].item())
+                assert torch.equal(a["values"].isnan(), b["values"].isnan())
+    assert any(int(r["count"].max()) == 3 for r in a_steps)
+    logged = [h for h in ranks[0]["log_history"] if "loss" in h]
+    assert len(logged) == 2 and all(math.isfinite(h["loss"]) for h in logged)

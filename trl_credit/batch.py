@@ -162,11 +162,41 @@ class RolloutBatch:
 
     def turns(self) -> Turns:
         """The turns of each completion (`trl_credit.Turns`): the model's token spans, the tools' or
-        environment's replies between them, counts and lengths; `Turns.broadcast` spreads per-turn
-        values over the tokens of their turn. Single-turn batches have one turn per completion."""
+        environment's replies between them, counts, lengths and tool calls / failures per turn;
+        `Turns.broadcast` spreads per-turn values over the tokens of their turn. Single-turn batches
+        have one turn per completion."""
         from trl_credit.turns import turns_of
 
-        return turns_of(self.completion_mask, self.tool_mask)
+        if "turns" not in self.token_cache:
+            completions = self.completions if isinstance(self.completions, list) and len(self.completions) == \
+                self.num_completions else None
+            self.token_cache["turns"] = turns_of(self.completion_mask, self.tool_mask, completions)
+        return self.token_cache["turns"]
+
+    def turn_values(self, name: str) -> torch.Tensor:
+        """``(N, K)`` float32 per-turn values the environment recorded under ``name``, NaN where it recorded none.
+
+        Read from the column ``name``: one list per completion whose k-th entry (a number or None) belongs to
+        the model's k-th turn. A ``rollout_func`` returns such a column as an extra field; an
+        ``environment_factory`` environment keeps ``self.turn_values = {name: [...]}`` (the host copies it
+        after each rollout). ``K`` is `Turns.max_turns`; a list longer than its completion's turns is an error.
+        """
+        turns = self.turns()
+        values = self.column(name)
+        out = torch.full((self.num_completions, turns.max_turns), math.nan, dtype=torch.float32)
+        counts = turns.count.tolist()
+        for i, row in enumerate(values):  # a loop over rows, bounded by the batch
+            if row is None:
+                continue
+            if not isinstance(row, (list, tuple)):
+                raise ValueError(f"turn_values({name!r}): row {i} holds {type(row).__name__}, expected a list with "
+                                 "one value (or None) per model turn")
+            if len(row) > counts[i]:
+                raise ValueError(f"turn_values({name!r}): row {i} has {len(row)} values for {counts[i]} model "
+                                 "turn(s); record one value per turn")
+            if row:
+                out[i, :len(row)] = torch.tensor([math.nan if v is None else float(v) for v in row])
+        return out.to(self.device)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """View a per-completion tensor ``(N, ...)`` as ``(N // G, G, ...)``."""
@@ -553,7 +583,8 @@ class RolloutBatch:
             reward_names=list(first.reward_names),
             reward_weights=first.reward_weights,
             num_generations=first.num_generations,
-            columns={k: [v for part in parts for v in part.columns[k]] for k in first.columns},
+            columns={k: [v for part in parts for v in part.columns.get(k, [None] * len(part.prompts))]
+                     for k in dict.fromkeys(k for part in parts for k in part.columns)},
             prompt_index=torch.cat([part.prompt_index for part in parts]),
             step=first.step,
             args=first.args,

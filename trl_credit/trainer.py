@@ -92,7 +92,8 @@ class CreditGRPOTrainer(GRPOTrainer):
             raise ValueError(f"reward function(s) {', '.join(names)} returned inf at step {self.state.global_step} "
                              f"({int(infinite.sum())} value(s)); return finite numbers, or None for no reward")
         if self.pipeline.active:
-            self._credit_round = {"inputs": inputs, "prompts": prompts, "completions": completions, "rewards": rewards}
+            self._credit_round = {"inputs": inputs, "prompts": prompts, "completions": completions, "rewards": rewards,
+                                  "env_columns": _environment_turn_values(self, completions)}
         return rewards
 
     def _generate_and_score_completions(self, inputs):
@@ -294,8 +295,14 @@ class CreditGRPOTrainer(GRPOTrainer):
         completion_mask = gather_padded(self.accelerator, output["completion_mask"], 0)
         skip = {"prompt", "completion", "completion_ids", "image", "images"}
         local_columns = [{k: v for k, v in row.items() if k not in skip} for row in local_inputs]
+        for row, recorded in zip(local_columns, stash.get("env_columns") or []):
+            clash = sorted(set(recorded) & set(row))
+            if clash:
+                raise ValueError(f"an environment's turn_values names {clash}, which the dataset already has as "
+                                 "column(s); rename the recorded values")
+            row.update(recorded)
         rows = gather_object(local_columns)
-        keys = list(local_columns[0]) if local_columns else []
+        keys = list(dict.fromkeys(k for r in rows for k in r))  # environments may record on some rows only
         columns = {k: [r.get(k) for r in rows] for k in keys}
         index = columns.pop(PROMPT_INDEX, None)
         prompt_index = torch.tensor(index if index is not None else [-1] * len(rows), dtype=torch.long)
@@ -803,6 +810,29 @@ class _ObserverCallback(TrainerCallback):
         logs = {k: sum(v) / len(v) for k, v in window.items() if v}
         self.trainer.pipeline.notify("on_step_end", state.global_step, trainer=self.trainer,
                                         step=state.global_step, logs=logs)
+
+
+def _environment_turn_values(trainer: CreditGRPOTrainer, completions: list) -> list[dict[str, list]] | None:
+    """Per local rollout, what its ``environment_factory`` environment recorded in ``turn_values`` (``{name:
+    [one value per successful tool call]}``), mapped to the model's turns (`trl_credit.turns.values_per_turn`).
+    Read right after the rollout: TRL reuses the instances in later batches."""
+    from trl_credit.turns import values_per_turn
+
+    environments = trainer.environments  # TRL: this batch's instances, one per rollout
+    if not environments:
+        return None
+    out = []
+    for env, messages, name in zip(environments, completions, trainer._batch_environments):
+        recorded = getattr(env, "turn_values", None) or {}
+        owner = type(env).__name__
+        if not isinstance(recorded, dict) or not all(isinstance(k, str) and isinstance(v, (list, tuple))
+                                                     for k, v in recorded.items()):
+            raise ValueError(f"{owner}.turn_values must be a dict of name -> list (one value per successful tool "
+                             f"call), got {recorded!r:.120}")
+        standalone = {tool.__name__ for tool in trainer._standalone_tools}
+        tool_names = {tool.__name__ for tool in trainer._env_tools[name]} - standalone  # the environment's methods
+        out.append(values_per_turn(messages, recorded, tool_names, owner))
+    return out
 
 
 def _store_old_logps(trainer: CreditGRPOTrainer, output: dict[str, Any]) -> None:

@@ -5,6 +5,11 @@ produce one completion per trajectory in which the tokens the model wrote altern
 the environment inserted; TRL's ``tool_mask`` is 1 on the model's tokens and 0 on the inserted ones,
 and its loss ignores the latter. `Turns` reads that mask: a *turn* is a maximal run of the model's
 tokens, numbered from 0 in each completion; a single-turn completion is one turn.
+
+Tool calls and failures per turn come from the parsed messages TRL keeps for each completion (its tool loop
+appends one assistant message per model turn and one ``tool`` message per call, whose content is
+``str({"error": ...})`` when the call raised or named an unknown tool). Per-turn values an environment
+recorded are read by `RolloutBatch.turn_values`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Turns", "turn_ends", "turns_of"]
+__all__ = ["Turns", "turn_ends", "turns_of", "tool_events", "values_per_turn"]
+
+#: how TRL's tool loop renders a failed call's result: ``str({"error": str(exception)})``
+_ERROR_PREFIX = "{'error': "
 
 
 @dataclass
@@ -25,6 +33,8 @@ class Turns:
     - ``model``, ``env``: bool masks of the model's tokens and of the environment's (within the completion).
     - ``count``: turns per completion; ``replies``: environment replies (runs of inserted tokens) per completion.
     - ``lengths``: ``(N, K)`` tokens of each turn (0 past a completion's last turn).
+    - ``calls``, ``failures``: ``(N, K)`` tool calls the model made in each turn and how many of them failed
+      (TRL's ``tools`` / ``environment_factory`` paths; 0 on other rollouts). Per completion: ``.sum(1)``.
     """
 
     index: torch.Tensor
@@ -33,6 +43,14 @@ class Turns:
     count: torch.Tensor
     replies: torch.Tensor
     lengths: torch.Tensor
+    calls: torch.Tensor | None = None
+    failures: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.calls is None:
+            self.calls = torch.zeros_like(self.lengths)
+        if self.failures is None:
+            self.failures = torch.zeros_like(self.lengths)
 
     @property
     def max_turns(self) -> int:
@@ -71,8 +89,66 @@ class Turns:
         return self.model & (self.index == (self.count - 1).unsqueeze(1))
 
 
-def turns_of(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> Turns:
-    """`Turns` from TRL's ``completion_mask`` and ``tool_mask`` (None: every completion is one turn)."""
+def tool_events(completions: list | None, max_turns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, K)`` tool calls and failed calls per model turn, from TRL's parsed completion messages.
+
+    The k-th assistant message is the k-th model turn; the ``tool`` messages after it answer its calls.
+    A loop over rows and messages (bounded by the batch and the turns), never over tokens.
+    """
+    n = len(completions or [])
+    calls = torch.zeros(n, max_turns, dtype=torch.long)
+    failures = torch.zeros(n, max_turns, dtype=torch.long)
+    for i, messages in enumerate(completions or []):
+        if not isinstance(messages, list):  # a plain-text completion: one turn, no tool calls
+            continue
+        turn = -1
+        for message in messages:
+            role = message.get("role") if isinstance(message, dict) else None
+            if role == "assistant":
+                turn += 1
+                if turn < max_turns:
+                    calls[i, turn] += len(message.get("tool_calls") or [])
+            elif role == "tool" and 0 <= turn < max_turns:
+                content = message.get("content")
+                failures[i, turn] += int(isinstance(content, str) and content.startswith(_ERROR_PREFIX))
+    return calls, failures
+
+
+def values_per_turn(messages: list, recorded: dict[str, list], tool_names: set[str], owner: str = "environment"
+                    ) -> dict[str, list]:
+    """An environment's per-call records -> one value (or None) per model turn.
+
+    An ``environment_factory`` environment appends one value to ``self.turn_values[name]`` in each call of
+    its tool methods that succeeds. The j-th value belongs to the j-th successful call (a ``tool`` message
+    named after one of ``tool_names`` whose content is not TRL's error) and so to the model turn that made
+    it; a turn that made several calls takes the last one's value, a turn without one gets None.
+    """
+    turn_of_call: list[int] = []
+    turn = -1
+    for message in messages if isinstance(messages, list) else []:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "assistant":
+            turn += 1
+        elif role == "tool" and turn >= 0 and message.get("name") in tool_names:
+            content = message.get("content")
+            if not (isinstance(content, str) and content.startswith(_ERROR_PREFIX)):
+                turn_of_call.append(turn)
+    out = {}
+    for name, values in recorded.items():
+        if len(values) != len(turn_of_call):
+            raise ValueError(f"{owner}.turn_values[{name!r}] holds {len(values)} value(s) for {len(turn_of_call)} "
+                             "successful tool call(s); append exactly one value in each call that succeeds "
+                             "(none in one that raises)")
+        per_turn: list = [None] * (turn + 1)
+        for k, value in zip(turn_of_call, values):
+            per_turn[k] = value
+        out[name] = per_turn
+    return out
+
+
+def turns_of(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None, completions: list | None = None) -> Turns:
+    """`Turns` from TRL's ``completion_mask`` and ``tool_mask`` (None: every completion is one turn) and, for
+    tool calls and failures, its parsed ``completions`` (one list of messages per completion)."""
     valid = completion_mask.bool()
     model = valid if tool_mask is None else valid & tool_mask.bool()
     env = valid & ~model
@@ -84,7 +160,12 @@ def turns_of(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> T
     lengths = torch.zeros(model.shape[0], k, dtype=torch.long, device=model.device)
     if k:
         lengths.scatter_add_(1, index.clamp(min=0), model.long())
-    return Turns(index, model, env, count, replies, lengths)
+    if completions is not None and len(completions) != model.shape[0]:
+        raise ValueError(f"turns: {len(completions)} completions for {model.shape[0]} rows")
+    if completions is None:
+        return Turns(index, model, env, count, replies, lengths)
+    calls, failures = tool_events(completions, k)
+    return Turns(index, model, env, count, replies, lengths, calls.to(model.device), failures.to(model.device))
 
 
 def turn_ends(batch, max_turns: int | None = None) -> torch.Tensor:
