@@ -20,7 +20,7 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
 
 from trl_credit.hookspecs import hookimpl
 
-__version__ = "0.2.2"
+__version__ = "0.2.3"
 
 _LAZY = {
     "Plugin": "trl_credit.plugin",

@@ -18,8 +18,8 @@ from trl_credit.cache import build_cached, cache_dir, ensure_pad_token, find_pac
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_GGUF", "answer_reward", "local_tokenizer_path", "tiny_dataset", "tiny_model", "tiny_model_path",
-           "train_tiny"]
+__all__ = ["TOKENIZER_GGUF", "ScriptedTurns", "answer_reward", "local_tokenizer_path", "scripted_turns_reward",
+           "tiny_dataset", "tiny_model", "tiny_model_path", "train_tiny"]
 
 #: (package, file) of the GGUF whose tokenizer tiny models use; the converted embedded model's cache
 #: entry (``<cache>/models/smollm2-135m-instruct``) is used instead when present.
@@ -198,16 +198,63 @@ def answer_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> l
             for c, a in zip(completions, answer)]
 
 
+class ScriptedTurns:
+    """A TRL ``rollout_func`` of scripted multi-turn trajectories on the tiny model (for turn-credit tests).
+
+    Each rollout has 1..``max_turns`` model turns (drawn from the trainer's seeded torch generator) of
+    ``turn_tokens`` random tokens; between turns an environment reply of ``reply_tokens`` tokens
+    (``env_mask`` 0). Extra fields, one per rollout, as TRL passes them to rewards and `RolloutBatch.column`:
+    ``turn_progress`` (per turn: the fraction of the way, ``(k + 1) / max_turns``), ``turn_checks`` (per
+    turn: a number of checks passed, random in 0..3), and ``solved`` (1.0 when the trajectory used all
+    ``max_turns`` turns). Reward with `scripted_turns_reward`.
+    """
+
+    def __init__(self, max_turns: int = 3, turn_tokens: int = 3, reply_tokens: int = 2):
+        self.max_turns, self.turn_tokens, self.reply_tokens = max_turns, turn_tokens, reply_tokens
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
+        import torch
+
+        tok = trainer.processing_class
+        prompt_ids = [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+                           ["input_ids"]) if isinstance(p, list) else list(tok(p)["input_ids"]) for p in prompts]
+        completion_ids, env_mask, progress, checks, solved = [], [], [], [], []
+        for _ in prompts:  # a loop over rollouts, bounded by the batch
+            turns = 1 + int(torch.randint(self.max_turns, ()))
+            ids: list[int] = []
+            mask: list[int] = []
+            for k in range(turns):
+                ids += torch.randint(100, 200, (self.turn_tokens,)).tolist()
+                mask += [1] * self.turn_tokens
+                if k + 1 < turns:
+                    ids += torch.randint(300, 400, (self.reply_tokens,)).tolist()
+                    mask += [0] * self.reply_tokens
+            completion_ids.append(ids + [tok.eos_token_id])
+            env_mask.append(mask + [1])
+            progress.append([(k + 1) / self.max_turns for k in range(turns)])
+            checks.append(torch.randint(0, 4, (turns,)).tolist())
+            solved.append(float(turns == self.max_turns))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask,
+                "logprobs": [[0.0] * len(c) for c in completion_ids], "turn_progress": progress,
+                "turn_checks": checks, "solved": solved}
+
+
+def scripted_turns_reward(completions: list[Any], solved: list[float], **kwargs: Any) -> list[float]:
+    """The reward of `ScriptedTurns` rollouts: their ``solved`` field."""
+    return [float(s) for s in solved]
+
+
 def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs: Any = None, dataset: Any = None,
                max_steps: int = 2, seed: int = 0, train: bool = True, callbacks: Any = None,
-               peft_config: Any = None, **grpo_args: Any) -> Any:
+               peft_config: Any = None, rollout_func: Any = None, **grpo_args: Any) -> Any:
     """A short real training run of ``plugins`` on the tiny model; returns the `CreditGRPOTrainer`.
 
     Defaults: `tiny_dataset` (32 rows), `answer_reward`, 2 steps of 8 completions (2 prompts x 4) of
     at most 8 tokens, on the CPU, logging every step, no checkpoints. ``grpo_args`` override any
     ``GRPOConfig`` field (``loss_type``, ``beta``, ``save_steps`` ...). ``peft_config``: a PEFT config
     (a LoRA adapter; the base model with adapters off is then the reference). ``train=False`` returns
-    the trainer before training (to inspect or resume it).
+    the trainer before training (to inspect or resume it). ``rollout_func``: TRL's custom rollout (e.g.
+    `ScriptedTurns()` with ``reward_funcs=[scripted_turns_reward]`` for multi-turn trajectories).
     """
     from trl import GRPOConfig
 
@@ -220,6 +267,7 @@ def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs
     args = GRPOConfig(output_dir=str(output_dir), **values)
     trainer = CreditGRPOTrainer(
         model=tiny_model_path(), args=args, plugins=plugins, callbacks=callbacks, peft_config=peft_config,
+        rollout_func=rollout_func,
         reward_funcs=reward_funcs if reward_funcs is not None else [answer_reward],
         train_dataset=dataset if dataset is not None else tiny_dataset(32, seed=seed),
     )
