@@ -49,3 +49,56 @@ def test_a_run_plays_the_game_turn_by_turn(tmp_path, monkeypatch):
     assert played == [3] * 8 and turns.count.tolist() == [3] * 8 and turns.replies.tolist() == [3] * 8
     assert all(len(d) == 3 for d in distance)
     assert (turns.lengths <= 4).all()  # at most max_new_tokens per model turn (the end-of-turn included)
+
+
+def test_guess_splits_keep_held_out_games_out_of_train_and_check_options():
+    from trl_credit.app.data import load_train_eval
+
+    train, heldout = load_train_eval("guess:n=40,eval_n=10,max_value=7,turns=4")
+    assert len(train) == 40 and len(heldout) == 10
+    assert not set(train["game"]) & set(heldout["game"])
+    assert parse_game(train[0]["prompt"])[1:] == (7, 4)
+    assert all(1 <= int(a) <= 7 for a in train["answer"])
+    with pytest.raises(ValueError, match=r"unknown guess option\(s\) \['colour'\]"):
+        load_train_eval("guess:colour=3")
+    with pytest.raises(ValueError, match="eval_seed must differ"):
+        load_train_eval("guess:seed=2,eval_seed=2")
+
+
+def test_cli_trains_on_the_guess_task_and_reports_held_out_success(tmp_path, capsys):
+    """`dataset_name: guess` plays the game through the rollout_func, rewards `guess_solved` by default,
+    lets plugins read the rollout's fields, and reports held-out success and turns before and after."""
+    import json
+    import textwrap
+
+    from trl_credit.app import cli
+    from trl_credit.testing.tiny import tiny_model_path
+
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        model_name_or_path: {tiny_model_path()}
+        use_cpu: true
+        bf16: false
+        dataset_name: "guess:n=16,eval_n=4,turn_tokens=3"
+        per_device_train_batch_size: 8
+        num_generations: 4
+        max_completion_length: 48
+        max_steps: 1
+        logging_steps: 1
+        report_to: none
+        save_strategy: "no"
+        disable_tqdm: true
+        output_dir: {tmp_path / "out"}
+        heldout_samples: 4
+        plugins:
+          - {{name: dynamic_sampling, mode: replace}}
+        """))
+    assert cli.main(["validate", str(path)]) == 0
+    assert cli.main(["train", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out guess: success" in printed
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["heldout_accuracy_before"] == 0.0 and metrics["heldout_accuracy_after"] == 0.0  # random model
+    assert metrics["heldout_turns"] == [3.0, 3.0]  # every game played to its last turn
+    steps = [h for h in metrics["log_history"] if "loss" in h]
+    assert len(steps) == 1 and steps[0]["rewards/guess_reward/mean"] == 0.0

@@ -203,6 +203,8 @@ def load_train_eval(
       working). ``eval_n`` (default 100) and
       ``eval_seed`` (default ``seed + 1``) shape the held-out split, whose questions are unique and
       never occur in train.
+    * ``"guess"`` or ``"guess:key=value,..."``: the bundled multi-turn number-guessing task
+      (`trl_credit.app.guess.guess_splits`; `trl-credit train` plays it through its ``rollout_func``).
     * A local ``.json``/``.jsonl``/``.parquet``/``.csv`` file: loaded with datasets' builder (one
       ``train`` split, so eval is None unless ``test_split == "train"``); a directory written by
       ``save_to_disk`` is loaded with ``load_from_disk``.
@@ -212,6 +214,10 @@ def load_train_eval(
 
     name = (dataset_name or "arithmetic").strip()
     base, _, spec = name.partition(":")
+    if base.lower() == "guess" and not os.path.exists(name):
+        from trl_credit.app.guess import guess_splits
+
+        return guess_splits({**parse_arithmetic_spec(dataset_config), **parse_arithmetic_spec(spec)})
     if base.lower() == "arithmetic" and not os.path.exists(name):
         options = {**arithmetic_kwargs, **parse_arithmetic_spec(dataset_config), **parse_arithmetic_spec(spec)}
         return _arithmetic_splits(options)

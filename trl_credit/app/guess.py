@@ -19,7 +19,13 @@ import random
 import re
 from typing import Any
 
-__all__ = ["GuessRollout", "guess_reward", "make_guess", "parse_game", "target_of"]
+__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
+           "target_of"]
+
+#: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
+ROLLOUT_FIELDS = ("guess_solved", "guess_distance", "guess_turns")
+#: ``guess:`` options that shape the rollout rather than the dataset
+ROLLOUT_OPTIONS = {"turn_tokens": 8}
 
 _PROMPT = ("Game {game}: I am thinking of a whole number from 1 to {max_value}. You have {turns} guesses. "
            "Answer with just the number you guess; after each guess I say higher or lower.")
@@ -40,7 +46,7 @@ def parse_game(prompt: Any) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
-def make_guess(n: int = 1000, seed: int = 0, max_value: int = 10, turns: int = 3, *,
+def make_guess(n: int = 1000, seed: int = 0, max_value: int = 5, turns: int = 3, *,
                exclude_games: set[int] | frozenset[int] = frozenset()) -> Any:
     """``n`` games as a ``datasets.Dataset``: ``prompt`` (one user message), ``game``, ``answer`` (the secret)."""
     from datasets import Dataset
@@ -61,6 +67,53 @@ def make_guess(n: int = 1000, seed: int = 0, max_value: int = 10, turns: int = 3
         "game": games,
         "answer": [str(target_of(g, max_value)) for g in games],
     })
+
+
+def guess_splits(options: dict[str, Any]) -> tuple[Any, Any]:
+    """``(train, eval)`` for ``dataset_name: guess:key=value,...``: ``n`` (1000), ``max_value`` (5), ``turns``
+    (3), ``seed`` (0), ``eval_n`` (50), ``eval_seed`` (seed + 1); held-out games never occur in train.
+    ``turn_tokens`` (8, tokens per model turn) belongs to the rollout (`rollout_options`)."""
+    options = {k: v for k, v in options.items() if k not in ROLLOUT_OPTIONS}
+    known = {"n", "max_value", "turns", "seed", "eval_n", "eval_seed"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown guess option(s) {sorted(unknown)}; known: {sorted(known | set(ROLLOUT_OPTIONS))}")
+    seed = int(options.get("seed", 0))
+    eval_seed = int(options.get("eval_seed", seed + 1))
+    if eval_seed == seed:
+        raise ValueError("eval_seed must differ from seed")
+    shape = {"max_value": int(options.get("max_value", 5)), "turns": int(options.get("turns", 3))}
+    eval_ds = make_guess(int(options.get("eval_n", 50)), seed=eval_seed, **shape)
+    train_ds = make_guess(int(options.get("n", 1000)), seed=seed, exclude_games=set(eval_ds["game"]), **shape)
+    return train_ds, eval_ds
+
+
+def rollout_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The rollout's options from a ``guess:`` spec (defaults filled in), validated."""
+    out = {k: int(options.get(k, v)) for k, v in ROLLOUT_OPTIONS.items()}
+    if out["turn_tokens"] < 1:
+        raise ValueError(f"guess: turn_tokens must be >= 1, got {out['turn_tokens']}")
+    return out
+
+
+def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16
+                  ) -> dict[str, float]:
+    """Greedy play of ``dataset``'s games: ``success`` (fraction solved) and ``turns`` (mean turns played,
+    a solved game stopping at its winning guess), for held-out evaluation before and after training."""
+    from types import SimpleNamespace
+
+    holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
+                             accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True)
+    solved: list[float] = []
+    turns: list[int] = []
+    prompts = list(dataset["prompt"])
+    for start in range(0, len(prompts), batch_size):  # a loop over batches of games
+        out = rollout(prompts[start:start + batch_size], holder)
+        solved += out["guess_solved"]
+        turns += out["guess_turns"]
+    n = max(len(solved), 1)
+    return {"success": sum(solved) / n, "turns": sum(turns) / n}
 
 
 def guess_reward(completions: Any, guess_solved: list[float], **kwargs: Any) -> list[float]:

@@ -14,6 +14,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from trl_credit.answers import completion_text, last_number
+from trl_credit.app.guess import guess_reward
 
 __all__ = ["arithmetic_accuracy", "arithmetic_steps", "completion_text", "known_reward_names", "last_number",
            "resolve_reward_funcs"]
@@ -64,6 +65,7 @@ def _builtin_registry(max_completion_len: int, soft_punish_cache: int) -> dict[s
     return {
         "arithmetic_accuracy": arithmetic_accuracy,
         "arithmetic_steps": arithmetic_steps,
+        "guess_solved": guess_reward,
         "accuracy_reward": trl_rewards.accuracy_reward,
         "reasoning_accuracy_reward": trl_rewards.reasoning_accuracy_reward,
         "think_format_reward": trl_rewards.think_format_reward,
@@ -75,7 +77,7 @@ def _builtin_registry(max_completion_len: int, soft_punish_cache: int) -> dict[s
 
 def known_reward_names() -> list[str]:
     """Names :func:`resolve_reward_funcs` accepts without a dotted path."""
-    return ["arithmetic_accuracy", "arithmetic_steps", "accuracy_reward", "reasoning_accuracy_reward",
+    return ["arithmetic_accuracy", "arithmetic_steps", "guess_solved", "accuracy_reward", "reasoning_accuracy_reward",
             "think_format_reward", "get_soft_overlong_punishment"]  # fmt: skip
 
 

@@ -146,10 +146,26 @@ def load_datasets(cfg: Loaded):
         raise ConfigError([f"{cfg.path}: dataset {args.dataset_name!r}: {exc}"]) from None
 
 
+def guess_task(cfg: Loaded) -> dict[str, Any] | None:
+    """The rollout options when the run plays the bundled ``guess`` task (``dataset_name: guess[:...]``), else None."""
+    from trl_credit.app.data import parse_arithmetic_spec
+    from trl_credit.app.guess import rollout_options
+
+    name = (cfg.script_args.dataset_name or "").strip()
+    base, _, spec = name.partition(":")
+    if base.lower() != "guess" or os.path.exists(name):
+        return None
+    try:
+        return rollout_options({**parse_arithmetic_spec(cfg.script_args.dataset_config), **parse_arithmetic_spec(spec)})
+    except ValueError as exc:
+        raise ConfigError([f"{cfg.path}: dataset {name!r}: {exc}"]) from None
+
+
 def reward_functions(cfg: Loaded) -> list:
     from trl_credit.app.rewards import resolve_reward_funcs
 
-    names = list(cfg.script_args.reward_funcs or ["arithmetic_accuracy"])
+    default = "guess_solved" if guess_task(cfg) is not None else "arithmetic_accuracy"
+    names = list(cfg.script_args.reward_funcs or [default])
     try:
         funcs = resolve_reward_funcs(names, max_completion_len=cfg.training_args.max_completion_length or 1280)
     except (ValueError, ImportError) as exc:
@@ -177,7 +193,7 @@ def preflight(cfg: Loaded, offline_only: bool) -> tuple[Any, Any, list]:
     """
     problems = model_problems(cfg) + dataset_file_problems(cfg)
     name = cfg.script_args.dataset_name or "arithmetic"
-    local = name.startswith("arithmetic") or os.path.exists(name.split(":")[0])
+    local = name.startswith(("arithmetic", "guess")) or os.path.exists(name.split(":")[0])
     train_set = eval_set = None
     if not problems and (local or not offline_only):
         train_set, eval_set = load_datasets(cfg)
@@ -264,10 +280,12 @@ def reward_columns(funcs: list) -> dict[str, list[str]]:
 def check_loaded(cfg: Loaded, funcs: list, train: Any, problems: list[str] | None = None) -> None:
     """What `validate` and `train` check before loading: the dataset (when loaded), the reward functions'
     columns, then `trl_credit.config.check_run` (TRL settings, plugins); one `ConfigError` lists them all."""
+    from trl_credit.app.guess import ROLLOUT_FIELDS
+
     problems = list(problems or [])
     columns = None
     if train is not None:
-        columns = list(train.column_names)
+        columns = list(train.column_names) + (list(ROLLOUT_FIELDS) if guess_task(cfg) is not None else [])
         if len(train) == 0:
             problems.append(f"{cfg.path}: the training dataset is empty")
         if "prompt" not in columns:
@@ -313,6 +331,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
         quantization_config=get_quantization_config(margs),
         peft_config=get_peft_config(margs),
         plugins=cfg.plugins,
+        rollout_func=_rollout_func(cfg),
     )
     metrics: dict[str, Any] = {"config": os.path.abspath(path), "model": margs.model_name_or_path,
                                "plugins": cfg.plugins.names, "load_in_4bit": bool(margs.load_in_4bit),
@@ -354,6 +373,8 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
         else:
             metrics["heldout_accuracy_after"] = _heldout(trainer, heldout, funcs[0], cfg, heldout_accuracy)
         trainer.accelerator.print(f"held-out accuracy after training:  {metrics['heldout_accuracy_after']:.3f}")
+    if getattr(trainer, "trl_credit_heldout_turns", None):
+        metrics["heldout_turns"] = trainer.trl_credit_heldout_turns  # the guess task: per evaluation, in order
     metrics["total_seconds"] = round(time.time() - started, 1)
     history = trainer.state.log_history
     metrics["log_history"] = history
@@ -406,11 +427,33 @@ def save_resolved_config(cfg: Loaded, overrides: list[str] | None, output_dir: s
     return path
 
 
+def _rollout_func(cfg: Loaded):
+    """TRL's ``rollout_func`` of the run: the guess game's for the bundled task, else None (TRL samples)."""
+    task = guess_task(cfg)
+    if task is None:
+        return None
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
+    from trl_credit.app.guess import GuessRollout
+
+    return GuessRollout(max_new_tokens=task["turn_tokens"])
+
+
 def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> float:
+    """Greedy held-out accuracy (single-turn) or success rate (the guess task; its mean turns played
+    are printed and kept in ``trainer.trl_credit_heldout_turns``)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     was_training = model.training
     model.eval()
     try:
+        task = guess_task(cfg)
+        if task is not None:
+            from trl_credit.app.guess import guess_success
+
+            result = guess_success(model, trainer.processing_class, dataset, turn_tokens=task["turn_tokens"])
+            trainer.trl_credit_heldout_turns = getattr(trainer, "trl_credit_heldout_turns", []) + [result["turns"]]
+            trainer.accelerator.print(f"held-out guess: success {result['success']:.3f}, "
+                                      f"{result['turns']:.2f} turns per game")
+            return result["success"]
         return heldout_accuracy(model, trainer.processing_class, dataset, reward_fn=reward_fn,
                                 max_new_tokens=cfg.credit_args.heldout_max_new_tokens)
     finally:
