@@ -40,8 +40,18 @@ from trl_credit.testing.tiny import (ScriptedTurns, answer_reward, scripted_turn
 
 __all__ = ["AdapterUpdate", "PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
            "edge_case_batches", "load_plugin", "LossResult", "loss_inputs", "STATE_FILE", "make_batch", "plugin_set",
-           "run_curriculum", "run_loss", "run_plugin", "ScriptedTurns", "scripted_turns_reward",
+           "run_curriculum", "run_loss", "run_plugin", "ScriptedTurns", "scripted_turns_reward", "tools",
            "tiny_dataset", "tiny_model", "tiny_model_path", "tiny_tokenizer", "train_tiny"]
+
+
+def __getattr__(name: str) -> Any:
+    """``trl_credit.testing.tools`` (scripted tool-calling rollouts through TRL's own tool loop) on first use: it
+    imports the trainer, which the rest of the kit does not need."""
+    if name == "tools":
+        import importlib
+
+        return importlib.import_module("trl_credit.testing.tools")
+    raise AttributeError(f"module 'trl_credit.testing' has no attribute {name!r}")
 
 
 def _grpo_fields() -> dict[str, Any]:
@@ -486,12 +496,15 @@ def loss_inputs(batch: RolloutBatch, advantages: torch.Tensor, *, logps: torch.T
 
     ``logps`` default: a leaf ``(N, T)`` tensor of -1.0 with ``requires_grad`` (so a term's gradient
     can be checked with ``torch.autograd.grad``); ``num_items`` is the batch's mask sum, as TRL's
-    ``dapo`` normaliser is on one process with one micro-batch per step.
+    ``dapo`` normaliser is on one process with one micro-batch per step. ``mask`` is TRL's loss mask:
+    ``completion_mask``, times the batch's ``tool_mask`` on multi-turn rollouts.
     """
     from trl_credit.loss import LossInputs
 
     n, t = batch.completion_ids.shape
     mask = batch.completion_mask.float()
+    if batch.tool_mask is not None:
+        mask = mask * batch.tool_mask.float()
     if logps is None:
         logps = torch.full((n, t), -1.0, requires_grad=True)
     return LossInputs(
