@@ -113,3 +113,62 @@ def test_turn_ends_hold_the_reply_and_cap_the_turns():
                        tool_mask=[[1, 1, 0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1, 1, 1]])
     assert turn_ends(batch).tolist() == [[4, 7, 8], [4, -1, -1]]  # where the next turn begins; the end last
     assert turn_ends(batch, max_turns=2).tolist() == [[7, 8], [4, -1]]  # row 1 has one turn (1-2)
+
+
+class NeedsProgress(Plugin):
+    """Reads per-turn values the rollout records (a declared per-turn column)."""
+
+    def required_turn_values(self):
+        return ["progress"]
+
+    @hookimpl
+    def transform_advantages(self, batch, advantages):
+        values = batch.turn_values("progress").nan_to_num(0.0)
+        return batch.turns().broadcast(values) + advantages.unsqueeze(1) * batch.turns().model
+
+
+def test_a_missing_per_turn_column_is_named_with_plugin_and_step():
+    from trl_credit.pipeline import PluginRuntimeError
+    from trl_credit.testing import run_plugin
+
+    batch = make_batch([1, 0], 2, completion_mask=MASK, completion_ids=[[5] * 10] * 2, tool_mask=TOOL)
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'needs_progress' needs per-turn values \['progress'\] "
+                                                 r"\(required_turn_values\), which the rollouts of step 0"):
+        run_plugin(NeedsProgress, batch)
+    batch.columns["progress"] = [[1.0, 2.0, 3.0], [4.0]]
+    out = run_plugin(NeedsProgress, batch).advantages
+    grpo = 0.5 / (0.5 ** 0.5 + 1e-4)  # GRPO on rewards [1, 0]: +-0.7070 (TRL's epsilon 1e-4)
+    assert out[0, [0, 5, 8]].tolist() == pytest.approx([1 + grpo, 2 + grpo, 3 + grpo])  # plus the turn's value
+    assert out[1, 0].item() == pytest.approx(4 - grpo)
+
+
+def test_declared_rollout_fields_are_checked_before_the_model_loads(tmp_path):
+    from trl import GRPOConfig
+
+    from trl_credit.app.guess import GuessRollout, make_guess
+    from trl_credit.config import ConfigError
+    from trl_credit.testing.tiny import tiny_model_path
+    from trl_credit.trainer import CreditGRPOTrainer
+
+    class NeedsDistance(NeedsProgress):
+        """Reads the guess game's per-turn distance."""
+
+        def required_turn_values(self):
+            return ["guess_distance"]
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                      num_generations=4, report_to="none")
+    with pytest.raises(ConfigError, match=r"needs per-turn values 'progress', which the rollouts do not record "
+                                          r"\(they record: guess_solved, guess_distance, guess_turns\)"):
+        CreditGRPOTrainer(model="/nonexistent/model", reward_funcs=[lambda completions, **k: [0.0]], args=args,
+                          train_dataset=make_guess(8), rollout_func=GuessRollout(), plugins=[NeedsProgress])
+    trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[lambda completions, **k: [0.0] * len(completions)],
+                                args=args, train_dataset=make_guess(8), rollout_func=GuessRollout(),
+                                plugins=[NeedsDistance])
+    assert trainer.credit_plugins.plugins[0].members.required_turn_values == ("guess_distance",)
+
+
+def test_check_plugin_fills_declared_per_turn_columns():
+    from trl_credit.testing import check_plugin
+
+    check_plugin(NeedsProgress)  # the kit's edge-case batches get a "progress" list per completion

@@ -435,11 +435,12 @@ def trl_problems(args: Any, reward_names: list[str] | None) -> list[str]:
 
 
 def check_run(plugins: PluginSet, args: Any, reward_names: list[str] | None, columns: list[str] | None,
-              peft: bool) -> RunInfo:
+              peft: bool, rollout_fields: list[str] | None = None) -> RunInfo:
     """Every check a run needs before its model loads; raises one `ConfigError` listing all problems.
 
     TRL settings TRL itself rejects only later (`trl_problems`), reward columns (``required_rewards``),
-    dataset columns (``required_columns``, when ``columns`` is known), the KL reference a
+    dataset columns (``required_columns``, when ``columns`` is known), per-turn columns
+    (``required_turn_values``, when the rollout declares its ``rollout_fields``), the KL reference a
     ``kl_coefficient`` plugin needs, and each plugin's ``check_args`` on the resolved run. `trl-credit validate` and `CreditGRPOTrainer.__init__` both call it.
     """
     run = RunInfo(args=args, reward_names=tuple(reward_names or ()),
@@ -449,6 +450,12 @@ def check_run(plugins: PluginSet, args: Any, reward_names: list[str] | None, col
         problems += _reward_problems(plugins, list(reward_names))
     if columns is not None:
         problems += _column_problems(plugins, list(columns))
+    if rollout_fields is not None:
+        known = list(rollout_fields) + list(columns or [])
+        problems += _missing(plugins, "required_turn_values", known,
+                             lambda col: f"needs per-turn values '{col}', which the rollouts do not record (they "
+                                         f"record: {', '.join(rollout_fields) or 'nothing'}); set the plugin's "
+                                         "column option or record it")
     try:
         check_reference(plugins, getattr(args, "beta", 0.0), peft)
     except ConfigError as exc:

@@ -127,6 +127,17 @@ class Pipeline:
                                      f"{batch.step}")
         return requests
 
+    def check_batch(self, batch: RolloutBatch) -> None:
+        """Every per-turn column a plugin reads (``required_turn_values``) is in the batch, before any hook runs."""
+        for plugin in self.plugins.plugins:
+            missing = [name for name in plugin.members.required_turn_values if name not in batch.columns]
+            if missing:
+                raise PluginRuntimeError(
+                    f"plugin '{plugin.key}' needs per-turn values {missing} (required_turn_values), which the "
+                    f"rollouts of step {batch.step} did not record (columns: {sorted(batch.columns)}); return them "
+                    "from the rollout_func or record them in the environment's turn_values, or set the plugin's "
+                    "column option")
+
     def shape_rewards(self, batch: RolloutBatch) -> None:
         """Apply the shapers in order, updating ``batch.rewards/reward_names/reward_weights``."""
         for plugin in self.plugins.with_hook("shape_rewards"):

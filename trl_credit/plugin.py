@@ -12,6 +12,7 @@ member                 meaning                                                  
 ``config``             the validated options (set by ``__init__``)
 ``required_rewards()`` reward columns the run must produce (``batch.reward(name)``)     before load
 ``required_columns()`` dataset columns the run must have (``batch.column(name)``)       before load
+``required_turn_values()`` per-turn columns the rollouts must record (``batch.turn_values``)  each batch
 ``disabled_hooks()``   hooks this configuration switches off (treated as absent)       config load
 ``check_args(run)``    raise `ConfigError` for settings it cannot run with (`RunInfo`)  before load
 ``refill()``           a `Refill` when its filter wants more prompts drawn, else None   config load
@@ -42,7 +43,7 @@ from trl_credit.hookspecs import HOOKS, PROJECT
 __all__ = ["MEMBERS", "Plugin", "PluginInfo", "Refill", "RunInfo", "adapter_handle", "members", "near_misses"]
 
 #: The optional members the host knows by name.
-MEMBERS = ("required_rewards", "required_columns", "disabled_hooks", "check_args", "refill", "adapters",
+MEMBERS = ("required_rewards", "required_columns", "required_turn_values", "disabled_hooks", "check_args", "refill", "adapters",
            "needs_reference", "state_dict", "load_state_dict")
 
 
@@ -123,6 +124,13 @@ class Plugin:
         """Dataset columns this configuration reads; checked before the model loads."""
         return ()
 
+    def required_turn_values(self) -> Sequence[str]:
+        """Per-turn columns (`RolloutBatch.turn_values`) this configuration reads: fields a ``rollout_func``
+        returns or an environment records, so not dataset columns. Checked before the model loads when the
+        rollout declares its fields (a ``rollout_func`` with a ``fields`` attribute, the ``guess`` task), and
+        on every batch (a clear error naming the plugin, the column and the step)."""
+        return ()
+
     def disabled_hooks(self) -> Sequence[str]:
         """Hooks this configuration switches off; the host treats them as not implemented."""
         return ()
@@ -171,6 +179,7 @@ class Members:
     stateful: bool
     adapters: tuple[Adapter, ...] = ()
     needs_reference: bool = False
+    required_turn_values: tuple[str, ...] = ()
 
 
 def members(instance: Any) -> Members:
@@ -192,7 +201,8 @@ def members(instance: Any) -> Members:
     if len(set(names)) != len(names):
         raise ValueError(f"adapters() declares the same name twice: {names}")
     return Members(tuple(call("required_rewards", ()) or ()), tuple(call("required_columns", ()) or ()),
-                   tuple(call("disabled_hooks", ()) or ()), refill, stateful, adapters, bool(call("needs_reference", False)))
+                   tuple(call("disabled_hooks", ()) or ()), refill, stateful, adapters, bool(call("needs_reference", False)),
+                   tuple(call("required_turn_values", ()) or ()))
 
 
 def adapter_handle(instance: Any, name: str) -> AdapterHandle:

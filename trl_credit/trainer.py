@@ -60,8 +60,9 @@ class CreditGRPOTrainer(GRPOTrainer):
             names = reward_names(funcs if isinstance(funcs, list) else [funcs]) if funcs is not None else None
             columns = list(dataset.column_names) if hasattr(dataset, "column_names") else None
             peft = kwargs.get("peft_config") is not None or hasattr(kwargs.get("model"), "peft_config")
+            fields = getattr(kwargs.get("rollout_func"), "fields", None)  # a rollout that declares its fields
             self.credit_run = check_run(self.credit_plugins, args if args is not None else _default_args(kwargs),
-                                        names, columns, peft)
+                                        names, columns, peft, list(fields) if fields is not None else None)
             if columns is not None and PROMPT_INDEX not in columns and hasattr(dataset, "add_column"):
                 kwargs["train_dataset"] = dataset.add_column(PROMPT_INDEX, list(range(len(dataset))))
         self.prompt_stats = PromptStats.empty(len(dataset) if hasattr(dataset, "__len__") else 0)
@@ -114,6 +115,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
             self._cost("generation_seconds", time.perf_counter() - start)
             batch = self._rollout_batch(output)
+            self.pipeline.check_batch(batch)
             if self.pipeline.has("augment_rollouts"):
                 output, batch = self._augment(output, batch)
             self.pipeline.shape_rewards(batch)

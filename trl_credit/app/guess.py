@@ -129,6 +129,9 @@ class GuessRollout:
     as not the model's, when the model ran out of tokens).
     """
 
+    #: the extra fields every rollout returns (the host checks plugins' ``required_turn_values`` against them)
+    fields = ROLLOUT_FIELDS
+
     def __init__(self, max_new_tokens: int = 8, greedy: bool = False):
         self.max_new_tokens, self.greedy = max_new_tokens, greedy
 

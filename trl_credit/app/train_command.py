@@ -297,7 +297,8 @@ def check_loaded(cfg: Loaded, funcs: list, train: Any, problems: list[str] | Non
                 problems.append(f"{cfg.path}: reward function {func} reads dataset column(s) {', '.join(missing)}, "
                                 f"which the training dataset lacks (columns: {', '.join(columns)})")
     try:
-        check_run(cfg.plugins, cfg.training_args, reward_names(funcs), columns, bool(cfg.model_args.use_peft))
+        fields = list(ROLLOUT_FIELDS) if guess_task(cfg) is not None else None  # the bundled task's rollout fields
+        check_run(cfg.plugins, cfg.training_args, reward_names(funcs), columns, bool(cfg.model_args.use_peft), fields)
     except ConfigError as exc:
         problems += exc.problems
     if problems:

@@ -478,6 +478,7 @@ def run_plugin(plugin: type | str | Any, batch: RolloutBatch | Sequence[RolloutB
     if not isinstance(batch, RolloutBatch):
         return [run_plugin(plugin, b, plugins=plugins) for b in batch]
     pipeline = Pipeline(plugins)
+    pipeline.check_batch(batch)
     pipeline.shape_rewards(batch)
     keep = pipeline.filter_rollouts(batch)
     advantages = kept_advantages(pipeline, batch)
@@ -593,9 +594,11 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
         raise AssertionError("\n".join(problems))
     if batches is None:
         batches = edge_case_batches()
+    turn_values = plugin_set(cls, config).plugins[0].members.required_turn_values
+    batches = [_with_turn_values(make, turn_values) for make in batches]
     for i, make in enumerate(batches):
         for attempt in range(2):
-            batch = make() if callable(make) else _copy(make)
+            batch = make()
             try:
                 result = run_plugin(cls, batch, config)
             except Exception as exc:
@@ -615,6 +618,20 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
         stats.update(torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), 0)
         weights = run_curriculum(cls, stats, config)
         assert weights is None or (weights.shape == (5,) and torch.isfinite(weights).all()), "bad prompt weights"
+
+
+def _with_turn_values(make: Any, names: Sequence[str]) -> Callable[[], RolloutBatch]:
+    """A factory of ``make``'s batch with the per-turn columns a plugin needs and the batch lacks:
+    ``0.5, 1.0, ...`` per model turn of each completion."""
+    def factory() -> RolloutBatch:
+        batch = make() if callable(make) else _copy(make)
+        counts = batch.turns().count.tolist() if names else []
+        for name in names:
+            if name not in batch.columns:
+                batch.columns[name] = [[0.5 * (k + 1) for k in range(c)] for c in counts]
+        return batch
+
+    return factory
 
 
 def _check_other_hooks(cls: type, config: dict[str, Any] | None, hooks: Sequence[str], i: int, make: Any,
