@@ -133,6 +133,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "seed": {"skip": "needs a skill column (SEED generates skills with the policy; not implemented here)"},
     "reward_noise": {"mechanism": "trl_credit/reward_noise/flipped_fraction",
                      "note": "flips rewards on purpose (a robustness fixture): expected to hurt"},
+    # turn credit: the arithmetic task is single-turn; EMPG also segments single completions into steps
+    "empg": {"prompt": "working", "options": {"segments": "steps"}, "mechanism": "trl_credit/empg/scale_max",
+             "note": "steps of the working (single-turn reading of its per-turn credit)"},
+    **{name: {"skip": "multi-turn credit: needs turns (and per-turn values or tool calls); arithmetic is single-turn, "
+              "see the guess task"} for name in ("ctc_grpo", "fatal_aware", "matchtir", "mira", "procredit",
+                                                 "progress_potential", "salt", "stage_norm", "turn_baseline")},
 }  # fmt: skip
 
 
