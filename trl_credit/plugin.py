@@ -5,22 +5,22 @@ the members below, which the host knows by name. Subclass `Plugin` to get every 
 default that does nothing; a plain class with ``@hookimpl`` methods keeps working (the host reads its
 members through `members`, the one place that looks them up).
 
-=====================  ==============================================================  ==========
-member                 meaning                                                          called
-=====================  ==============================================================  ==========
-``Config``             pydantic model of the plugin's options (``extra="forbid"``)      config load
-``config``             the validated options (set by ``__init__``)
-``required_rewards()`` reward columns the run must produce (``batch.reward(name)``)     before load
-``required_columns()`` dataset columns the run must have (``batch.column(name)``)       before load
-``required_turn_values()`` per-turn columns the rollouts must record (``batch.turn_values``)  each batch
-``disabled_hooks()``   hooks this configuration switches off (treated as absent)       config load
-``check_args(run)``    raise `ConfigError` for settings it cannot run with (`RunInfo`)  before load
-``refill()``           a `Refill` when its filter wants more prompts drawn, else None   config load
-``adapters()``         auxiliary LoRA adapters it owns (`Adapter`, `adapter(name)`)      config load
-``needs_reference()``  True when this configuration reads the reference model            before load
-``state_dict()``       plain data to checkpoint, or None (stateless)                    each save
-``load_state_dict(s)`` restore what ``state_dict()`` returned                            on resume
-=====================  ==============================================================  ==========
+==========================  =================================================================  ===========
+member                      meaning                                                            called
+==========================  =================================================================  ===========
+``Config``                  pydantic model of the plugin's options (``extra="forbid"``)        config load
+``config``                  the validated options (set by ``__init__``)
+``required_rewards()``      reward columns the run must produce (``batch.reward(name)``)       before load
+``required_columns()``      dataset columns the run must have (``batch.column(name)``)         before load
+``required_turn_values()``  per-turn columns the rollouts must record (``batch.turn_values``)  each batch
+``disabled_hooks()``        hooks this configuration switches off (treated as absent)          config load
+``check_args(run)``         raise `ConfigError` for settings it cannot run with (`RunInfo`)    before load
+``refill()``                a `Refill` when its filter wants more prompts drawn, else None     config load
+``adapters()``              auxiliary LoRA adapters it owns (`Adapter`, `adapter(name)`)       config load
+``needs_reference()``       True when this configuration reads the reference model             before load
+``state_dict()``            plain data to checkpoint, or None (stateless)                      each save
+``load_state_dict(s)``      restore what ``state_dict()`` returned                             on resume
+==========================  =================================================================  ===========
 
 "Before load" means in ``trl-credit validate`` and in the trainer's ``__init__`` before any model is
 loaded, so a bad setting costs no model load. At registration the host refuses a public method whose
