@@ -5,12 +5,11 @@ the contract on a multi-turn batch and a real multi-turn training run."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, hookimpl
 from trl_credit.testing import ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward
 from trl_credit.testing import train_tiny
 from trl_credit_mira import MiRA, new_milestones, normalise
@@ -127,17 +126,16 @@ def test_dropped_completions_get_nothing_and_leave_the_baseline():
     torch.testing.assert_close(credit, torch.tensor([1.0, 0.0, -1.0, 0.0]))  # mean of the kept [2, 0, 1] is 1
 
 
-def test_a_missing_column_warns_once_or_raises():
-    batch = lambda: make_batch([1.0, 0.0], 2, completion_mask=MASK, tool_mask=TOOL)  # noqa: E731
-    plugins = plugin_set(MiRA, {})
-    with pytest.warns(UserWarning, match="no per-turn column 'turn_milestones'"):
-        result = run_plugin(MiRA, batch(), plugins=plugins)
-    torch.testing.assert_close(result.advantages, torch.tensor([A, -A]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        run_plugin(MiRA, batch(), plugins=plugins)
-    with pytest.raises(RuntimeError, match="no per-turn column 'turn_milestones'"):
-        run_plugin(MiRA, batch(), {"on_missing": "error"})
+def test_a_batch_without_the_column_is_refused_by_the_host():
+    assert plugin_set(MiRA, {"column": "guess_distance", "values": "distance", "thresholds": [0]}
+                      ).plugins[0].members.required_turn_values == ("guess_distance",)
+    batch = make_batch([1.0, 0.0], 2, completion_mask=MASK, tool_mask=TOOL, columns={"other": [[1], [2]]})
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'mira' needs per-turn values \['turn_milestones'\] "
+                                                 r"\(required_turn_values\).*step 0"):
+        run_plugin(MiRA, batch)
+
+
+def test_negative_counts_are_refused():
     with pytest.raises(RuntimeError, match="negative milestone count"):
         run_plugin(MiRA, batch_of([[1, -1, 0, 0], [0, 0, 0]]))
 
@@ -165,8 +163,7 @@ def test_contract_on_a_multi_turn_batch():
                                                      lambda: batch_of([[None] * 4, [None] * 3])])
     check_plugin(MiRA, {"normalise": "group", "credit": "return"},
                  batches=[lambda: batch_of([[1, None, 0, 2], [0, 2, 0]])])
-    with pytest.warns(UserWarning, match="no per-turn column"):
-        check_plugin(MiRA)  # the kit's edge cases: no turn column (warns, unchanged)
+    check_plugin(MiRA)  # the kit's edge cases, with the declared turn_milestones filled in (0.5, 1.0, ... per turn)
 
 
 class Record(Plugin):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, hookimpl
 from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit.testing import ScriptedTurns, scripted_turns_reward
 from trl_credit_procredit import ProCredit, carry_forward, normalise, progress_rewards
@@ -162,20 +162,12 @@ def test_dropped_completions_are_out_of_the_pool():
     assert credit[3, 0].item() == pytest.approx(1.658312, abs=1e-5)  # (1 - .45) / (.331662 + 1e-6)
 
 
-def test_a_missing_column_warns_once_or_raises():
-    batch = lambda: make_batch([1.0, 0.0], 2, completion_mask=MASK, tool_mask=TOOL)  # noqa: E731
-    plugins = plugin_set(ProCredit, {})
-    with pytest.warns(UserWarning, match="no per-turn column 'turn_checks'"):
-        result = run_plugin(ProCredit, batch(), plugins=plugins)
-    torch.testing.assert_close(result.advantages, torch.tensor([A, -A]))  # unchanged
-    assert result.metrics["procredit/recorded"] == 0.0
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        run_plugin(ProCredit, batch(), plugins=plugins)  # once per run
-    with pytest.raises(RuntimeError, match="no per-turn column 'turn_checks'"):
-        run_plugin(ProCredit, batch(), {"on_missing": "error"})
+def test_a_batch_without_the_column_is_refused_by_the_host():
+    assert plugin_set(ProCredit, {"column": "checks"}).plugins[0].members.required_turn_values == ("checks",)
+    batch = make_batch([1.0, 0.0], 2, completion_mask=MASK, tool_mask=TOOL, columns={"other": [[1], [2]]})
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'procredit' needs per-turn values \['turn_checks'\] "
+                                                 r"\(required_turn_values\).*step 0"):
+        run_plugin(ProCredit, batch)
 
 
 def test_bad_values_name_the_column_and_the_fix():
@@ -210,8 +202,7 @@ def test_normalise_handles_sequences_too():
 def test_contract_on_a_multi_turn_batch():
     check_plugin(ProCredit, {"total_checks": 4}, batches=[lambda: batch_of([[1, None, 3], [0, 2]]),
                                                           lambda: batch_of([[None] * 3, [None, None]])])
-    with pytest.warns(UserWarning, match="no per-turn column"):
-        check_plugin(ProCredit)  # the kit's edge cases: no turn column (warns, unchanged)
+    check_plugin(ProCredit)  # the kit's edge cases, with the declared turn_checks filled in (0.5, 1.0, ... per turn)
 
 
 class Record(Plugin):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from trl_credit import ConfigError, grpo_advantages, hookimpl
+from trl_credit import ConfigError, PluginRuntimeError, grpo_advantages, hookimpl
 from trl_credit.testing import (ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward,
                                 train_tiny)
 from trl_credit_stage_norm import StageNorm
@@ -212,6 +212,16 @@ def test_options_are_validated_with_the_plugin_and_key():
         with pytest.raises(ConfigError, match=key) as info:
             plugin_set(StageNorm, bad)
         assert "stage_norm" in str(info.value)
+
+
+def test_the_per_turn_columns_are_declared_and_a_batch_without_them_is_refused():
+    declared = lambda options: plugin_set(StageNorm, options).plugins[0].members.required_turn_values  # noqa: E731
+    assert declared({}) == ()
+    assert declared({"stage": "s", "turn_rewards": "u"}) == ("s", "u") and declared({"turn_rewards": "u"}) == ("u",)
+    batch = turn_batch([2, 1], [1.0, 0.0], 2, columns={"s": [[0, 1], [0]]})
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'stage_norm' needs per-turn values \['u'\] "
+                                                 r"\(required_turn_values\).*step 0"):
+        run_plugin(StageNorm, batch, {"stage": "s", "turn_rewards": "u"})
 
 
 def test_contract():

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from trl_credit import ConfigError, hookimpl
+from trl_credit import ConfigError, PluginRuntimeError, hookimpl
 from trl_credit.testing import (ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward,
                                 train_tiny)
 from trl_credit_turn_baseline import TurnBaseline, turn_advantages, turn_returns
@@ -319,6 +319,14 @@ def test_options_are_validated_with_the_plugin_and_key():
         with pytest.raises(ConfigError, match=key) as info:
             plugin_set(TurnBaseline, bad)
         assert "turn_baseline" in str(info.value)
+
+
+def test_the_per_turn_column_is_declared_and_a_batch_without_it_is_refused():
+    assert plugin_set(TurnBaseline, {}).plugins[0].members.required_turn_values == ()
+    assert plugin_set(TurnBaseline, {"turn_rewards": "u"}).plugins[0].members.required_turn_values == ("u",)
+    with pytest.raises(PluginRuntimeError, match=r"plugin 'turn_baseline' needs per-turn values \['u'\] "
+                                                 r"\(required_turn_values\).*step 0"):
+        run_plugin(TurnBaseline, turn_batch(COUNTS, OUTCOMES, 3), {"turn_rewards": "u"})
 
 
 def test_contract():

@@ -31,7 +31,6 @@ baseline and the z-score are options.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -106,9 +105,6 @@ class MiRA(Plugin):
         normalise: Literal["none", "mean", "group"] = Field(
             "none", description="none: the bonus as is; mean: minus the group's mean turn bonus; group: z-scored "
             "over the group's turns")
-        on_missing: Literal["warn", "error"] = Field(
-            "warn", description="when the batch has no `column`: warn once and leave the advantages unchanged, "
-            "or raise")
 
         @model_validator(mode="after")
         def _consistent(self):
@@ -120,25 +116,15 @@ class MiRA(Plugin):
                                  "distance")
             return self
 
-    def __init__(self, config: Config | None = None):
-        super().__init__(config)
-        self._warned = False
+    def required_turn_values(self) -> list[str]:
+        """The per-turn milestone column; the host refuses a run or batch without it."""
+        return [self.config.column]
 
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor | None:
         import torch
 
         cfg = self.config
-        if cfg.column not in batch.columns:
-            message = (f"mira: the batch has no per-turn column '{cfg.column}' (columns: {sorted(batch.columns)}); "
-                       "the rollout must record the milestones of each turn, or set `column`")
-            if cfg.on_missing == "error":
-                raise KeyError(message)
-            if not self._warned:
-                warnings.warn(message + "; advantages are left unchanged", stacklevel=2)
-                self._warned = True
-            self.log_metric(batch, "recorded", 0.0)
-            return None
         turns = batch.turns()
         k = turns.max_turns
         if k == 0:

@@ -37,7 +37,6 @@ z-score of the turn rewards as the across-attempts comparison, the sum with the 
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -127,9 +126,6 @@ class ProCredit(Plugin):
         final_weight: float = Field(
             0.0, ge=0.0, description="weight of the final progress f_K, normalised over the group like the turn "
             "credit and added to every model token (the abstract's ablation: alone it does not help)")
-        on_missing: Literal["warn", "error"] = Field(
-            "warn", description="when the batch has no `column`: warn once and leave the advantages unchanged, "
-            "or raise")
 
         @model_validator(mode="after")
         def _consistent(self):
@@ -149,9 +145,9 @@ class ProCredit(Plugin):
                 raise ValueError("give total_checks or total_column, not both; fix: remove one")
             return self
 
-    def __init__(self, config: Config | None = None):
-        super().__init__(config)
-        self._warned = False
+    def required_turn_values(self) -> list[str]:
+        """The per-turn column; the host refuses a run or batch without it (`total_column` is per completion)."""
+        return [self.config.column]
 
     def checks_passed(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c (N, K), C (N, 1))``: checks passed after each turn (NaN: none ran) and checks per completion."""
@@ -193,17 +189,6 @@ class ProCredit(Plugin):
         import torch
 
         cfg = self.config
-        if cfg.column not in batch.columns:
-            message = (f"procredit: the batch has no per-turn column '{cfg.column}' (columns: "
-                       f"{sorted(batch.columns)}); the rollout must record the checks passed after each turn, "
-                       "or set `column`")
-            if cfg.on_missing == "error":
-                raise KeyError(message)
-            if not self._warned:
-                warnings.warn(message + "; advantages are left unchanged", stacklevel=2)
-                self._warned = True
-            self.log_metric(batch, "recorded", 0.0)
-            return None
         turns = batch.turns()
         k = turns.max_turns
         if k == 0:

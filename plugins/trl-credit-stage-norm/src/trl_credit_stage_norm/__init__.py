@@ -110,6 +110,10 @@ class StageNorm(Plugin):
     def required_rewards(self):
         return [self.config.reward] if self.config.reward else []
 
+    def required_turn_values(self) -> list[str]:
+        """The per-turn stage and reward columns that are set; the host refuses a run or batch without them."""
+        return list(dict.fromkeys(name for name in (self.config.stage, self.config.turn_rewards) if name))
+
     def _stages(self, batch: RolloutBatch, exists: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(stage (N, K) long, staged (N, K) bool)``: the stage column (integers, checked) or the turn index."""
         import torch

@@ -148,6 +148,10 @@ class TurnBaseline(Plugin):
     def required_rewards(self):
         return [self.config.reward] if self.config.reward else []
 
+    def required_turn_values(self) -> list[str]:
+        """The per-turn reward column when set; the host refuses a run or batch without it."""
+        return [self.config.turn_rewards] if self.config.turn_rewards else []
+
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
         import torch
