@@ -1,0 +1,148 @@
+"""Turn credit on the bundled multi-turn task: outcome-only GRPO against each turn plugin that applies (issue #15).
+
+Every run is `examples/multiturn.yaml` (guess 1..4 in 3 turns on the embedded model, LoRA, 20 steps) with
+its seed and, for a plugin, that plugin's entry added. It measures greedy held-out success and the turns per
+game, before and after training. Each run stores one JSON under ``benchmarks/results/multiturn/runs/``, and a
+finished run is skipped, so the grid resumes where it stopped. ``--report`` writes the table into
+docs/results.md (between its markers) from the runs finished so far, with paired differences against GRPO
+on the same seeds.
+
+    python benchmarks/multiturn.py --seeds 3                      # GRPO and every plugin below, 3 seeds
+    python benchmarks/multiturn.py --variants grpo,progress_potential --seeds 0,1
+    python benchmarks/multiturn.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from learning import stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
+
+EXAMPLE = ROOT / "examples" / "multiturn.yaml"
+OUT = HERE / "results" / "multiturn"
+MARKERS = ("<!-- multiturn-results:begin -->", "<!-- multiturn-results:end -->")
+#: variant -> plugin entries (the guess game records guess_distance per turn: lower is better, at most 3 on 1..4)
+VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "grpo": [],
+    "progress_potential": [{"name": "progress_potential", "column": "guess_distance", "direction": "lower",
+                            "initial": 3, "terminal": "last"}],
+    "ctc_grpo": [{"name": "ctc_grpo", "column": "guess_distance", "direction": "lower", "initial": 3}],
+    "turn_baseline": [{"name": "turn_baseline"}],
+    "stage_norm": [{"name": "stage_norm"}],
+    "salt": [{"name": "salt"}],
+    "empg": [{"name": "empg"}],
+    "mira": [{"name": "mira", "column": "guess_distance", "values": "distance", "thresholds": [1, 0]}],
+}
+#: turn plugins that do not apply to the game (no tools, no gold calls)
+NOT_APPLICABLE = {"fatal_aware": "needs tool calls (the game has none)",
+                  "matchtir": "needs tool calls and gold calls (the game has none)",
+                  "procredit": "its one acceptance check (the right number) is the outcome itself"}
+
+
+def result_path(out: Path, label: str, seed: int) -> Path:
+    return out / "runs" / label / f"seed{seed}.json"
+
+
+def config_of(label: str, seed: int, output_dir: str) -> dict[str, Any]:
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config.update({"seed": seed, "output_dir": output_dir, "plugins": VARIANTS[label]})
+    return config
+
+
+def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
+    from trl_credit.app.train_command import train
+
+    folder = work / label / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    config = config_of(label, seed, str(folder / "out"))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    metrics = train(str(path))
+    steps = [h for h in metrics["log_history"] if "loss" in h]
+    result = {"label": label, "seed": seed, "plugins": VARIANTS[label], "config": config,
+              "before": metrics["heldout_accuracy_before"], "after": metrics["heldout_accuracy_after"],
+              "turns_before": metrics["heldout_turns"][0], "turns_after": metrics["heldout_turns"][-1],
+              "seconds_per_step": metrics["seconds_per_step"], "steps": len(steps),
+              "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps]}
+    target = result_path(out, label, seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def report(out: Path) -> str:
+    runs: dict[str, dict[int, dict]] = {}
+    for path in sorted((out / "runs").glob("*/seed*.json")):
+        run = json.loads(path.read_text())
+        runs.setdefault(run["label"], {})[run["seed"]] = run
+    base = runs.get("grpo", {})
+    lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
+             "(paired, 95% CI) | Δ turns vs GRPO | s/step |", "|---|---|---|---|---|---|---|---|"]
+    for label in VARIANTS:
+        done = runs.get(label, {})
+        if not done:
+            lines.append(f"| `{label}` | 0 | - | - | - | - | - | not run yet (the grid is resumable) |")
+            continue
+        seeds = sorted(done)
+        after, turns = stats([done[s]["after"] for s in seeds]), stats([done[s]["turns_after"] for s in seeds])
+        paired = [s for s in seeds if s in base] if label != "grpo" else []
+        d_after = stats([done[s]["after"] - base[s]["after"] for s in paired])
+        d_turns = stats([done[s]["turns_after"] - base[s]["turns_after"] for s in paired])
+
+        def f(x: dict[str, Any]) -> str:
+            if x["n"] == 0:
+                return "-"
+            return f"{x['mean']:+.3f}" + (f" ± {x['ci95']:.3f}" if x["ci95"] is not None else " (one seed)")
+
+        before = stats([done[s]["before"] for s in seeds])["mean"]
+        spread = f" ± {after['ci95']:.3f}" if after["ci95"] is not None else ""
+        lines.append(f"| `{label}` | {len(seeds)} | {before:.3f} | {after['mean']:.3f}{spread} | {turns['mean']:.2f} "
+                     f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
+                     f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} |")
+    lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (default: all)")
+    parser.add_argument("--seeds", default="3", help="N (seeds 0..N-1) or a comma list")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--work", default=str(ROOT / "runs" / "multiturn"))
+    parser.add_argument("--report", action="store_true", help="train nothing: write the table into docs/results.md")
+    parser.add_argument("--docs", default=str(ROOT / "docs" / "results.md"))
+    args = parser.parse_args(argv)
+    out, work = Path(args.out), Path(args.work)
+    if not args.report:
+        seeds = list(range(int(args.seeds))) if "," not in args.seeds else [int(s) for s in args.seeds.split(",")]
+        labels = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in labels if v not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+        for seed in seeds:  # seed-major: every variant of seed 0 first, so a partial grid is paired
+            for label in labels:
+                if result_path(out, label, seed).exists():
+                    continue
+                clock = time.time()
+                result = run_one(label, seed, out, work)
+                print(f"[multiturn] {label} seed {seed}: success {result['before']:.3f} -> {result['after']:.3f}, "
+                      f"turns {result['turns_after']:.2f} ({time.time() - clock:.0f} s)", flush=True)
+    text = report(out)
+    if args.docs:
+        update_docs(Path(args.docs), text + f"\n\nGenerated by `python benchmarks/multiturn.py --report` on "
+                    f"{time.strftime('%Y-%m-%d')}.", MARKERS)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

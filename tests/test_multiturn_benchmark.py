@@ -1,0 +1,55 @@
+"""benchmarks/multiturn.py: every variant is the example config plus its plugin entry and validates before any
+model loads; the report pairs each plugin with GRPO on the same seeds (values from hand-made run files)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def mt():
+    sys.path.insert(0, str(BENCH))
+    import multiturn
+
+    yield multiturn
+    sys.path.remove(str(BENCH))
+
+
+def test_every_variant_is_the_example_plus_its_plugin_and_validates(mt, tmp_path):
+    from trl_credit.app.train_command import validate
+
+    example = yaml.safe_load(mt.EXAMPLE.read_text())
+    for label, plugins in mt.VARIANTS.items():
+        config = mt.config_of(label, 2, str(tmp_path / "out"))
+        assert config["plugins"] == plugins and config["seed"] == 2
+        assert {k: v for k, v in config.items() if k not in ("plugins", "seed", "output_dir")} == \
+            {k: v for k, v in example.items() if k not in ("plugins", "seed", "output_dir")}
+        path = tmp_path / f"{label}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        validate(str(path))  # raises ConfigError on a bad option or a per-turn column the game does not record
+
+
+def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
+    def write(label, seed, after, turns):
+        path = mt.result_path(tmp_path, label, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"label": label, "seed": seed, "before": 0.0, "after": after, "turns_before": 3.0,
+                                    "turns_after": turns, "seconds_per_step": 25.0}))
+
+    write("grpo", 0, 0.75, 2.25)
+    write("grpo", 1, 0.5, 2.5)
+    write("salt", 0, 0.875, 2.0)
+    write("salt", 1, 0.5, 2.75)
+    write("salt", 2, 1.0, 1.0)  # no GRPO seed 2: not paired
+    table = mt.report(tmp_path)
+    row = next(line for line in table.splitlines() if line.startswith("| `salt`"))
+    # paired over seeds 0 and 1: deltas +0.125 and 0.0 -> mean +0.0625, t(1) 12.706 * std 0.0884 / sqrt 2 = 0.794
+    assert "| 3 | 0.000 | 0.792" in row and "+0.062 ± 0.794" in row and "+0.000 ± 3.176" in row
+    assert "| `empg` | 0 |" in table and "not run yet" in table
