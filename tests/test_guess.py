@@ -51,6 +51,12 @@ def test_a_run_plays_the_game_turn_by_turn(tmp_path, monkeypatch):
     assert (turns.lengths <= 4).all()  # at most max_new_tokens per model turn (the end-of-turn included)
 
 
+def test_distance_is_capped_at_the_range():
+    from trl_credit.app.guess import distance_of
+
+    assert [distance_of(g, 3, 4) for g in (1, 3, 4, 52341, -7)] == [2, 0, 1, 4, 4]
+
+
 def test_guess_splits_keep_held_out_games_out_of_train_and_check_options():
     from trl_credit.app.data import load_train_eval
 

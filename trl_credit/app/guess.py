@@ -9,7 +9,8 @@ TRL's multi-turn paths build it, so the loss trains on the model's tokens only a
 sees the turns.
 
 Verifiable outcome: ``guess_solved`` (1.0 when a guess was right). Verifiable per-turn progress:
-``guess_distance`` (|guess - secret| after each turn, None when the turn held no number). Both reach
+``guess_distance`` (|guess - secret| after each turn, capped at ``max_value``: a guess outside 1..max_value
+counts as one worse than any guess inside; None when the turn held no number). Both reach
 the reward functions (and ``batch.column``) as TRL passes a rollout's extra fields.
 """
 
@@ -19,7 +20,7 @@ import random
 import re
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
+__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
            "target_of"]
 
 #: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
@@ -116,6 +117,12 @@ def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8
     return {"success": sum(solved) / n, "turns": sum(turns) / n}
 
 
+def distance_of(guess: int, secret: int, max_value: int) -> int:
+    """The per-turn progress signal: ``|guess - secret|``, capped at ``max_value`` (an out-of-range guess such as
+    an echoed game number must not dwarf the in-range ones)."""
+    return min(abs(guess - secret), max_value)
+
+
 def guess_reward(completions: Any, guess_solved: list[float], **kwargs: Any) -> list[float]:
     """1.0 when the game was solved within its turns, else 0.0 (from the rollout's ``guess_solved``)."""
     return [float(s) for s in guess_solved]
@@ -170,7 +177,7 @@ class GuessRollout:
                     text = tok.decode(ids, skip_special_tokens=True)
                     value = last_number(text)
                     guess = int(value) if value is not None and value == value.to_integral_value() else None
-                    distance[i].append(None if guess is None else float(abs(guess - secrets[i])))
+                    distance[i].append(None if guess is None else float(distance_of(guess, secrets[i], games[i][1])))
                     messages[i].append({"role": "assistant", "content": text})
                     if guess == secrets[i]:
                         solved[i] = 1.0
