@@ -87,11 +87,12 @@ def report(out: Path) -> str:
         runs.setdefault(run["label"], {})[run["seed"]] = run
     base = runs.get("grpo", {})
     lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
-             "(paired, 95% CI) | Δ turns vs GRPO | s/step |", "|---|---|---|---|---|---|---|---|"]
+             "(paired, 95% CI) | Δ turns vs GRPO | s/step | sampled training success, last 10 steps |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label in VARIANTS:
         done = runs.get(label, {})
         if not done:
-            lines.append(f"| `{label}` | 0 | - | - | - | - | - | not run yet (the grid is resumable) |")
+            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | not run yet (the grid is resumable) |")
             continue
         seeds = sorted(done)
         after, turns = stats([done[s]["after"] for s in seeds]), stats([done[s]["turns_after"] for s in seeds])
@@ -108,7 +109,8 @@ def report(out: Path) -> str:
         spread = f" ± {after['ci95']:.3f}" if after["ci95"] is not None else ""
         lines.append(f"| `{label}` | {len(seeds)} | {before:.3f} | {after['mean']:.3f}{spread} | {turns['mean']:.2f} "
                      f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
-                     f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} |")
+                     f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} "
+                     f"| {stats([sum(r[-10:]) / len(r[-10:]) for r in (done[s].get('train_reward') or [] for s in seeds) if r])['mean'] or 0:.3f} |")
     lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]
     return "\n".join(lines)
 
