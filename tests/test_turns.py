@@ -172,3 +172,14 @@ def test_check_plugin_fills_declared_per_turn_columns():
     from trl_credit.testing import check_plugin
 
     check_plugin(NeedsProgress)  # the kit's edge-case batches get a "progress" list per completion
+
+
+def test_carry_forward_fills_unrecorded_turns_with_the_last_value():
+    from trl_credit import carry_forward
+
+    nan = float("nan")
+    values = torch.tensor([[nan, 1.0, nan, 3.0], [2.0, nan, nan, nan], [nan] * 4])
+    assert carry_forward(values, 0.0).tolist() == [[0.0, 1.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0], [0.0] * 4]
+    filled = carry_forward(values)  # NaN until a value is known
+    assert torch.isnan(filled[0, 0]) and filled[0, 1:].tolist() == [1.0, 1.0, 3.0] and torch.isnan(filled[2]).all()
+    assert carry_forward(torch.zeros(2, 0)).shape == (2, 0)

@@ -9,7 +9,7 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
   what `augment_rollouts` returns: `Augmentation`; prompt and group helpers: `with_context`,
   `joint_advantages` (an augmented group and its source share one GRPO baseline); what `probe` returns:
   `Probes`
-- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `turn_ends`, `token_char_offsets`, `discounted_returns`,
+- shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `turn_ends`, `carry_forward`, `token_char_offsets`, `discounted_returns`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
   (`completion_text`, `last_number`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`)
 - auxiliary LoRA adapters a plugin owns (`Plugin.adapters()`, `Plugin.adapter(name)`): `Adapter`,
@@ -36,6 +36,7 @@ _LAZY = {
     "with_context": "trl_credit.augment",
     "Turns": "trl_credit.turns",
     "turn_ends": "trl_credit.turns",
+    "carry_forward": "trl_credit.turns",
     "Probes": "trl_credit.probes",
     "Regex": "trl_credit.options",
     "AnswerTemplate": "trl_credit.options",

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Turns", "turn_ends", "turns_of", "tool_events", "values_per_turn"]
+__all__ = ["Turns", "carry_forward", "turn_ends", "turns_of", "tool_events", "values_per_turn"]
 
 #: how TRL's tool loop renders a failed call's result: ``str({"error": str(exception)})``
 _ERROR_PREFIX = "{'error': "
@@ -186,3 +188,11 @@ def turn_ends(batch, max_turns: int | None = None) -> torch.Tensor:
         keep = column[:, :max_turns] + (count - max_turns).clamp(min=0).unsqueeze(1)
         ends = torch.where(keep < count.unsqueeze(1), ends.gather(1, keep.clamp(max=k - 1)), -1)
     return ends
+
+
+def carry_forward(values: torch.Tensor, start: float = math.nan) -> torch.Tensor:
+    """``(N, K)``: each NaN of ``values`` replaced by the last non-NaN value before it in its row, ``start``
+    before the first (per-turn states an environment recorded only on some turns: `RolloutBatch.turn_values`)."""
+    position = torch.arange(values.shape[1], device=values.device).expand_as(values)
+    last = torch.where(torch.isnan(values), -1, position).cummax(dim=1).values
+    return torch.where(last >= 0, values.gather(1, last.clamp(min=0)), torch.full_like(values, start))

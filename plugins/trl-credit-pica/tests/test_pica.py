@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, PluginRuntimeError, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, carry_forward, hookimpl
 from trl_credit.testing import ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward
 from trl_credit.testing import train_tiny
-from trl_credit_pica import PiCA, carry_forward, normalise, penalties, prefix_success, shaping, state_ends
+from trl_credit_pica import PiCA, normalise, penalties, prefix_success, shaping, state_ends
 
 NAN = math.nan
 R5 = math.sqrt(5)

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, PluginRuntimeError, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, carry_forward, hookimpl
 from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit.testing import ScriptedTurns, scripted_turns_reward
-from trl_credit_procredit import ProCredit, carry_forward, normalise, progress_rewards
+from trl_credit_procredit import ProCredit, normalise, progress_rewards
 
 NAN = math.nan
 # one group of two. c0: model turns at tokens 0-1, 3-4, 6 (replies at 2 and 5); c1: turns at 0 and 3-4 (reply at
@@ -36,7 +36,7 @@ def per_token(credit, base=(A, -A), turn_of=TURN_OF, width=7):
 
 def test_carry_forward_and_progress_rewards():
     c = torch.tensor([[NAN, 1.0, NAN, 3.0], [2.0, NAN, NAN, NAN]])
-    torch.testing.assert_close(carry_forward(c), torch.tensor([[0.0, 1.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0]]))
+    torch.testing.assert_close(carry_forward(c, 0.0), torch.tensor([[0.0, 1.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0]]))
     valid = torch.tensor([[True] * 4, [True, True, False, False]])
     # of 4 checks, f_-1 = 0; a NaN turn carries the last fraction (reward 0); nothing past a row's turns
     r = progress_rewards(c, torch.tensor([[4.0], [4.0]]), valid)

@@ -41,25 +41,14 @@ from typing import TYPE_CHECKING, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import Plugin, discounted_returns, hookimpl
+from trl_credit import Plugin, carry_forward, discounted_returns, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["CTCGRPO", "carried_states", "centred_credit", "state_deltas"]
-
-
-def carried_states(values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """``(N, K + 1)``: column 0 the state before the first turn (``start`` ``(N,)``), column ``k + 1`` the state
-    after turn ``k``; a NaN entry of ``values`` ``(N, K)`` carries the last known state (NaN until one is known)."""
-    import torch
-
-    padded = torch.cat([start.to(values).unsqueeze(1), values], dim=1)
-    position = torch.arange(padded.shape[1], device=values.device).expand_as(padded)
-    last = torch.where(~torch.isnan(padded), position, 0).cummax(dim=1).values  # index of the last known state
-    return padded.gather(1, last)
+__all__ = ["CTCGRPO", "centred_credit", "state_deltas"]
 
 
 def state_deltas(values: torch.Tensor, count: torch.Tensor, initial: float | str = 0.0
@@ -78,7 +67,7 @@ def state_deltas(values: torch.Tensor, count: torch.Tensor, initial: float | str
             torch.full((n,), math.nan, device=values.device)
     else:
         start = torch.full((n,), float(initial), device=values.device)
-    states = carried_states(values, start)
+    states = carry_forward(torch.cat([start.to(values).unsqueeze(1), values], dim=1))  # column 0: s_-1
     d = states[:, 1:] - states[:, :-1]
     defined = (position < count.to(values.device).unsqueeze(1)) & recorded.any(dim=1, keepdim=True)
     if initial == "first":

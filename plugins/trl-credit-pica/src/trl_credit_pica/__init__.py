@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import Plugin, discounted_returns, hookimpl, turn_ends
+from trl_credit import Plugin, carry_forward, discounted_returns, hookimpl, turn_ends
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["PiCA", "carry_forward", "normalise", "penalties", "prefix_success", "shaping", "state_ends"]
+__all__ = ["PiCA", "normalise", "penalties", "prefix_success", "shaping", "state_ends"]
 
 
 def state_ends(batch: RolloutBatch, state: str = "reply") -> torch.Tensor:
@@ -87,15 +87,6 @@ def prefix_success(codes: torch.Tensor, ends: torch.Tensor, outcome: torch.Tenso
     total, count = (weight * r).sum(2), weight.sum(2)
     phi = torch.where((count > 0) & (e >= 0), total / count.clamp(min=1), math.nan)
     return phi.reshape(ends.shape), torch.where(e >= 0, count, 0.0).reshape(ends.shape)
-
-
-def carry_forward(values: torch.Tensor) -> torch.Tensor:
-    """``(N, S)``: each NaN replaced by the last finite value before it in its row (NaN before the first)."""
-    import torch
-
-    position = torch.arange(values.shape[1], device=values.device).expand_as(values)
-    last = torch.where(torch.isnan(values), -1, position).cummax(dim=1).values
-    return torch.where(last >= 0, values.gather(1, last.clamp(min=0)), math.nan)
 
 
 def penalties(k: int, penalty: float, growth: float, free_turns: int, device=None) -> torch.Tensor:

@@ -41,25 +41,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import Plugin, discounted_returns, hookimpl
+from trl_credit import Plugin, carry_forward, discounted_returns, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["ProCredit", "carry_forward", "normalise", "progress_rewards"]
-
-
-def carry_forward(values: torch.Tensor, start: float = 0.0) -> torch.Tensor:
-    """``(N, K)``: each NaN replaced by the last value before it in its row (``start`` before the first)."""
-    import torch
-
-    k = values.shape[1]
-    position = torch.arange(k, device=values.device).expand_as(values)
-    last = torch.where(torch.isnan(values), -1, position).cummax(dim=1).values
-    filled = values.nan_to_num(start).gather(1, last.clamp(min=0))
-    return torch.where(last >= 0, filled, torch.full_like(values, start))
+__all__ = ["ProCredit", "normalise", "progress_rewards"]
 
 
 def progress_rewards(passed: torch.Tensor, total: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -67,7 +56,7 @@ def progress_rewards(passed: torch.Tensor, total: torch.Tensor, valid: torch.Ten
     forward), ``total`` ``(N, 1)``; 0 past a row's turns. Differences of counts, so equal steps are exactly equal."""
     import torch
 
-    c = torch.where(valid, carry_forward(passed), 0.0)
+    c = torch.where(valid, carry_forward(passed, 0.0), 0.0)
     previous = torch.nn.functional.pad(c[:, :-1], (1, 0))
     return torch.where(valid, (c - previous) / total, 0.0)
 

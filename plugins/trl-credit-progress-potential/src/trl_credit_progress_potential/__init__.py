@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import Plugin, discounted_returns, hookimpl
+from trl_credit import Plugin, carry_forward, discounted_returns, hookimpl
 
 if TYPE_CHECKING:
     import torch
@@ -73,9 +73,7 @@ def potentials(phi: torch.Tensor, count: torch.Tensor, initial: float | str = 0.
         start = phi.gather(1, recorded.float().argmax(dim=1, keepdim=True)).squeeze(1)
     else:
         start = torch.full((n,), 0.0 if initial == "first" else float(initial), device=phi.device)
-    padded = torch.cat([start.unsqueeze(1), phi], dim=1)
-    last = torch.where(~torch.isnan(padded), position, 0).cummax(dim=1).values
-    carried = padded.gather(1, last).nan_to_num(0.0)  # a row without a record: NaN start under "first" -> 0
+    carried = carry_forward(torch.cat([start.unsqueeze(1), phi], dim=1)).nan_to_num(0.0)  # a row without a record: NaN start under "first" -> 0
     if terminal == "zero":
         carried = torch.where(position == count, 0.0, carried)
     return torch.where(position <= count, carried, 0.0), recorded.any(dim=1)
