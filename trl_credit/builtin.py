@@ -80,3 +80,21 @@ def grpo_advantages(rewards_per_func, reward_weights, num_generations: int, scal
         raise ValueError(f"unknown multi_objective_aggregation {aggregation!r}")
     return torch.nan_to_num(advantages, nan=0.0)
 
+
+def group_normalise(x, pool, num_generations: int, mode: str = "group"):
+    """``x`` ``(N, ...)`` (per completion, or per turn ``(N, K)``) against its group, over the entries where ``pool``
+    is True: z-scored (``mode="group"``: population sigma + 1e-6; a sigma below 1e-6 counts as 1, so a constant
+    group stays 0), mean-centred (``"mean"``) or as is (``"none"``); 0 outside the pool."""
+    import torch
+
+    shape = x.shape
+    values = x.reshape(-1, num_generations * (x[0].numel() if x.dim() > 1 else 1))
+    m = pool.reshape(values.shape).to(x.dtype)
+    if mode == "none":
+        return (values * m).reshape(shape)
+    count = m.sum(1, keepdim=True).clamp(min=1)
+    out = values - (values * m).sum(1, keepdim=True) / count
+    if mode == "group":
+        sigma = ((out ** 2 * m).sum(1, keepdim=True) / count).sqrt()
+        out = out / torch.where(sigma < 1e-6, 1.0, sigma + 1e-6)
+    return torch.where(m > 0, out, torch.zeros((), dtype=x.dtype)).reshape(shape)

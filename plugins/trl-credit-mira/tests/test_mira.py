@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, PluginRuntimeError, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, group_normalise, hookimpl
 from trl_credit.testing import ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward
 from trl_credit.testing import train_tiny
-from trl_credit_mira import MiRA, new_milestones, normalise
+from trl_credit_mira import MiRA, new_milestones
 
 NAN = math.nan
 # one group of two. c0: four model turns at tokens 0, 2, 4, 6-7 (replies at 1, 3, 5); c1: three turns at 0-1,
@@ -155,7 +155,7 @@ def test_options_are_checked_at_construction(options, text):
 def test_normalise_outside_the_pool_is_zero():
     x = torch.tensor([[1.0, 3.0], [5.0, 9.0]])
     pool = torch.tensor([[True, True], [True, False]])
-    torch.testing.assert_close(normalise(x, pool, 2, "mean"), torch.tensor([[-2.0, 0.0], [2.0, 0.0]]))
+    torch.testing.assert_close(group_normalise(x, pool, 2, "mean"), torch.tensor([[-2.0, 0.0], [2.0, 0.0]]))
 
 
 def test_contract_on_a_multi_turn_batch():

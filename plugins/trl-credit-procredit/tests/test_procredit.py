@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError, Plugin, PluginRuntimeError, carry_forward, hookimpl
+from trl_credit import ConfigError, Plugin, PluginRuntimeError, carry_forward, group_normalise, hookimpl
 from trl_credit.testing import check_plugin, make_batch, plugin_set, run_plugin, train_tiny
 from trl_credit.testing import ScriptedTurns, scripted_turns_reward
-from trl_credit_procredit import ProCredit, normalise, progress_rewards
+from trl_credit_procredit import ProCredit, progress_rewards
 
 NAN = math.nan
 # one group of two. c0: model turns at tokens 0-1, 3-4, 6 (replies at 2 and 5); c1: turns at 0 and 3-4 (reply at
@@ -195,7 +195,7 @@ def test_options_are_checked_at_construction(options, text):
 
 def test_normalise_handles_sequences_too():
     x = torch.tensor([0.75, 0.5, 1.0, 1.0])
-    z = normalise(x, torch.tensor([True, True, True, False]), 2, "group")
+    z = group_normalise(x, torch.tensor([True, True, True, False]), 2, "group")
     torch.testing.assert_close(z, torch.tensor([0.125 / (0.125 + 1e-6), -0.125 / (0.125 + 1e-6), 0.0, 0.0]))
 
 

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import Plugin, discounted_returns, hookimpl
+from trl_credit import Plugin, discounted_returns, group_normalise, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["MiRA", "new_milestones", "normalise"]
+__all__ = ["MiRA", "new_milestones"]
 
 
 def new_milestones(values: torch.Tensor, valid: torch.Tensor, kind: str,
@@ -60,23 +60,6 @@ def new_milestones(values: torch.Tensor, valid: torch.Tensor, kind: str,
         reached = torch.where(valid, values.nan_to_num(0.0), 0.0).cummax(dim=1).values.clamp(min=0.0)
     previous = torch.nn.functional.pad(reached[:, :-1], (1, 0))
     return torch.where(valid, reached - previous, 0.0)
-
-
-def normalise(x: torch.Tensor, pool: torch.Tensor, num_generations: int, mode: str) -> torch.Tensor:
-    """``x`` ``(N, K)`` against its group over the entries where ``pool`` is True: as is, mean-centred, or z-scored
-    (population sigma + 1e-6; below 1e-6 it counts as 1); 0 outside the pool."""
-    import torch
-
-    values = x.reshape(-1, num_generations * x.shape[1])
-    m = pool.reshape(values.shape).to(x.dtype)
-    if mode == "none":
-        return (values * m).reshape(x.shape)
-    count = m.sum(1, keepdim=True).clamp(min=1)
-    out = values - (values * m).sum(1, keepdim=True) / count
-    if mode == "group":
-        sigma = ((out ** 2 * m).sum(1, keepdim=True) / count).sqrt()
-        out = out / torch.where(sigma < 1e-6, 1.0, sigma + 1e-6)
-    return torch.where(m > 0, out, torch.zeros((), dtype=x.dtype)).reshape(x.shape)
 
 
 class MiRA(Plugin):
@@ -139,7 +122,7 @@ class MiRA(Plugin):
         pool = valid & batch.kept.to(device).unsqueeze(1)
         n = new_milestones(raw, valid, cfg.values, cfg.thresholds)
         b = n if cfg.credit == "turn" else discounted_returns(n, cfg.gamma)
-        c = cfg.bonus * normalise(b, pool, batch.num_generations, cfg.normalise)
+        c = cfg.bonus * group_normalise(b, pool, batch.num_generations, cfg.normalise)
         base = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, batch.width)
         if bool(pool.any()):
             rows = pool.any(1)

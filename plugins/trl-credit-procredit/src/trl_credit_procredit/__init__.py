@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trl_credit import Plugin, carry_forward, discounted_returns, hookimpl
+from trl_credit import Plugin, carry_forward, discounted_returns, group_normalise, hookimpl
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["ProCredit", "normalise", "progress_rewards"]
+__all__ = ["ProCredit", "progress_rewards"]
 
 
 def progress_rewards(passed: torch.Tensor, total: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -59,25 +59,6 @@ def progress_rewards(passed: torch.Tensor, total: torch.Tensor, valid: torch.Ten
     c = torch.where(valid, carry_forward(passed, 0.0), 0.0)
     previous = torch.nn.functional.pad(c[:, :-1], (1, 0))
     return torch.where(valid, (c - previous) / total, 0.0)
-
-
-def normalise(x: torch.Tensor, pool: torch.Tensor, num_generations: int, mode: str) -> torch.Tensor:
-    """``x`` ``(N, ...)`` against its group: z-score (population sigma + 1e-6; a sigma below 1e-6 counts as 1, so a
-    constant group stays 0), mean-centred or as is, over the entries where ``pool`` is True; 0 outside the pool."""
-    import torch
-
-    shape = x.shape
-    values = x.reshape(-1, num_generations * (x[0].numel() if x.dim() > 1 else 1))
-    m = pool.reshape(values.shape).to(x.dtype)
-    if mode == "none":
-        return (values * m).reshape(shape)
-    count = m.sum(1, keepdim=True).clamp(min=1)
-    mean = (values * m).sum(1, keepdim=True) / count
-    out = values - mean
-    if mode == "group":
-        sigma = ((out ** 2 * m).sum(1, keepdim=True) / count).sqrt()
-        out = out / torch.where(sigma < 1e-6, 1.0, sigma + 1e-6)
-    return torch.where(m > 0, out, torch.zeros((), dtype=x.dtype)).reshape(shape)
 
 
 class ProCredit(Plugin):
@@ -190,13 +171,13 @@ class ProCredit(Plugin):
         r = progress_rewards(passed, total, valid)
         p = r if cfg.credit == "turn" else discounted_returns(r, cfg.gamma)
         g = batch.num_generations
-        z = normalise(p, pool, g, cfg.normalise)
+        z = group_normalise(p, pool, g, cfg.normalise)
         base = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, batch.width)
         out = base + cfg.coef * turns.broadcast(z).to(device)
         final = r.sum(1)  # telescopes to f_K
         if cfg.final_weight:
             rows = batch.kept.to(device) & (count > 0)
-            zf = normalise(final, rows, g, cfg.normalise)
+            zf = group_normalise(final, rows, g, cfg.normalise)
             out = out + cfg.final_weight * zf.unsqueeze(1) * turns.model.to(device)
         if bool(pool.any()):
             self.log_metric(batch, "progress_credit", float(r[pool].mean()))
