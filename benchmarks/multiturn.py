@@ -29,14 +29,30 @@ sys.path.insert(0, str(HERE))
 from learning import stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
 
 EXAMPLE = ROOT / "examples" / "multiturn.yaml"
-OUT = HERE / "results" / "multiturn"
+
+
+def game_of(config: dict[str, Any]) -> dict[str, int]:
+    """The example's game: ``max_value`` and ``turns`` from its ``dataset_name: guess:...``."""
+    from trl_credit.app.data import parse_arithmetic_spec
+
+    name, _, spec = str(config["dataset_name"]).partition(":")
+    options = parse_arithmetic_spec(spec)
+    if name != "guess":
+        raise SystemExit(f"{EXAMPLE} does not play the guess game: dataset_name {config['dataset_name']!r}")
+    return {"max_value": int(options.get("max_value", 5)), "turns": int(options.get("turns", 3))}
+
+
+GAME = game_of(yaml.safe_load(EXAMPLE.read_text()))
+CAP = GAME["max_value"]  # guess_distance is capped at max_value: the distance before any guess
+#: one folder per game, so a change of the example's game never mixes its runs with an earlier game's
+OUT = HERE / "results" / "multiturn" / f"guess-{GAME['max_value']}x{GAME['turns']}"
 MARKERS = ("<!-- multiturn-results:begin -->", "<!-- multiturn-results:end -->")
-#: variant -> plugin entries (the guess game records guess_distance per turn: lower is better, capped at 4 on 1..4)
+#: variant -> plugin entries (the guess game records guess_distance per turn: lower is better, capped at CAP)
 VARIANTS: dict[str, list[dict[str, Any]]] = {
     "grpo": [],
     "progress_potential": [{"name": "progress_potential", "column": "guess_distance", "direction": "lower",
-                            "initial": 4, "terminal": "last"}],
-    "ctc_grpo": [{"name": "ctc_grpo", "column": "guess_distance", "direction": "lower", "initial": 4}],
+                            "initial": CAP, "terminal": "last"}],
+    "ctc_grpo": [{"name": "ctc_grpo", "column": "guess_distance", "direction": "lower", "initial": CAP}],
     "turn_baseline": [{"name": "turn_baseline"}],
     "stage_norm": [{"name": "stage_norm"}],
     "salt": [{"name": "salt"}],

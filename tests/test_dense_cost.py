@@ -36,6 +36,32 @@ def test_summary_is_the_median_ratio_after_the_warm_up_step():
     assert summary["target_x"] == 2.0 and summary["meets_target"] is True and summary["extra_peak_mib"] == 30.0
 
 
+def test_a_pass_skipped_on_some_steps_counts_0_there_and_the_report_says_so(tmp_path):
+    """GRPO-CARE scores under its EMA adapter only when a group has an accurate answer: its part is 0 on the other
+    steps, so the part's median (over the same steps as the total) never exceeds the total's."""
+    dense = _load()
+    base = {"peak_bytes": 0}
+
+    def care(gen, seconds, score):
+        row = {"trl_credit/cost/generation_seconds": gen, "trl_credit/grpo_care/seconds": seconds}
+        return row if score is None else {**row, "trl_credit/cost/grpo_care/ema_score_seconds": score}
+
+    run = {"plugin": "grpo_care", "model": "embedded", "device": "cpu", "peak_bytes": 0,
+           "steps": [care(1.0, 5.0, 4.0), care(10.0, 7.0, 6.6), care(10.0, 0.1, None), care(10.0, 0.1, None)]}
+    summary = dense.summarise(base, run)
+    # measured steps 2..4: totals 0.7, 0.01, 0.01 -> median 0.01; the part 0.66, 0, 0 -> 0 (before: 0.66 from step 2 alone)
+    assert summary["added_x_generation"] == pytest.approx(0.01)
+    assert summary["parts_x_generation"] == {"ema_score_seconds": pytest.approx(0.0)}
+    assert summary["parts_steps"] == {"ema_score_seconds": 1} and summary["steps_measured"] == 3
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "e.json").write_text(json.dumps({"model": "embedded", "steps": 4, "threads": 2, "plugins": [summary]}))
+    docs = tmp_path / "results.md"
+    docs.write_text("# R\n")
+    dense.report(folder, docs)
+    assert "ema_score 0.00x (ran on 1 of 3 steps)" in docs.read_text()
+
+
 def test_report_writes_the_generated_block(tmp_path):
     dense = _load()
     folder = tmp_path / "results"
