@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,18 @@ def config_of(label: str, seed: int, output_dir: str) -> dict[str, Any]:
     return config
 
 
+def plugin_cost(steps: list[dict[str, Any]], plugins: list[str]) -> float | None:
+    """Median over steps (the first left out) of the plugins' hook time, extra passes included, over the step's
+    generation time (``trl_credit/<plugin>/seconds`` / ``trl_credit/cost/generation_seconds``)."""
+    ratios = []
+    for h in steps[1:] or steps:
+        generation = h.get("trl_credit/cost/generation_seconds")
+        spent = [h.get(f"trl_credit/{name}/seconds") for name in plugins]
+        if generation and spent and all(x is not None for x in spent):
+            ratios.append(sum(spent) / generation)
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
     from trl_credit.app.train_command import train
 
@@ -93,11 +106,19 @@ def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
               "before": metrics["heldout_accuracy_before"], "after": metrics["heldout_accuracy_after"],
               "turns_before": metrics["heldout_turns"][0], "turns_after": metrics["heldout_turns"][-1],
               "seconds_per_step": metrics["seconds_per_step"], "steps": len(steps),
-              "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps]}
+              "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps],
+              "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]])}
     target = result_path(out, label, seed)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def cost_cell(values: list[float | None], label: str) -> str:
+    known = [v for v in values if v is not None]
+    if not VARIANTS[label]:
+        return "-"
+    return f"{statistics.mean(known):.2f}x" if known else "not recorded"
 
 
 def report(out: Path) -> str:
@@ -107,12 +128,13 @@ def report(out: Path) -> str:
         runs.setdefault(run["label"], {})[run["seed"]] = run
     base = runs.get("grpo", {})
     lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
-             "(paired, 95% CI) | Δ turns vs GRPO | s/step | sampled training success, last 10 steps |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(paired, 95% CI) | Δ turns vs GRPO | s/step | plugin time / generation time | sampled training success, "
+             "last 10 steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for label in VARIANTS:
         done = runs.get(label, {})
         if not done:
-            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | not run yet (the grid is resumable) |")
+            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | - | not run yet (the grid is resumable) |")
             continue
         seeds = sorted(done)
         after, turns = stats([done[s]["after"] for s in seeds]), stats([done[s]["turns_after"] for s in seeds])
@@ -130,6 +152,7 @@ def report(out: Path) -> str:
         lines.append(f"| `{label}` | {len(seeds)} | {before:.3f} | {after['mean']:.3f}{spread} | {turns['mean']:.2f} "
                      f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
                      f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} "
+                     f"| {cost_cell([done[s].get('plugin_x_generation') for s in seeds], label)} "
                      f"| {stats([sum(r[-10:]) / len(r[-10:]) for r in (done[s].get('train_reward') or [] for s in seeds) if r])['mean'] or 0:.3f} |")
     lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]
     return "\n".join(lines)

@@ -48,8 +48,23 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     write("salt", 0, 0.875, 2.0)
     write("salt", 1, 0.5, 2.75)
     write("salt", 2, 1.0, 1.0)  # no GRPO seed 2: not paired
+    for seed, cost in ((0, 0.5), (1, 1.0), (2, None)):  # a run from before the cost was recorded: left out
+        path = mt.result_path(tmp_path, "salt", seed)
+        path.write_text(json.dumps({**json.loads(path.read_text()), "plugin_x_generation": cost}))
     table = mt.report(tmp_path)
     row = next(line for line in table.splitlines() if line.startswith("| `salt`"))
     # paired over seeds 0 and 1: deltas +0.125 and 0.0 -> mean +0.0625, t(1) 12.706 * std 0.0884 / sqrt 2 = 0.794
     assert "| 3 | 0.000 | 0.792" in row and "+0.062 ± 0.794" in row and "+0.000 ± 3.176" in row
+    assert "| 25.0 | 0.75x |" in row
     assert "| `empg` | 0 |" in table and "not run yet" in table
+
+
+def test_plugin_cost_is_the_median_hook_time_over_generation_time_after_the_first_step(mt):
+    def h(gen, a, b=None):
+        row = {"trl_credit/cost/generation_seconds": gen, "trl_credit/taco/seconds": a}
+        return row if b is None else {**row, "trl_credit/other/seconds": b}
+
+    steps = [h(1.0, 50.0), h(2.0, 1.0), h(4.0, 1.0), h(1.0, 3.0)]
+    assert mt.plugin_cost(steps, ["taco"]) == 0.5  # 0.5, 0.25, 3.0 (step 1 left out)
+    assert mt.plugin_cost([h(1.0, 0.0, 1.0), h(2.0, 1.0, 1.0)], ["taco", "other"]) == 1.0
+    assert mt.plugin_cost(steps, []) is None
