@@ -1,8 +1,8 @@
 """Turn credit on the bundled multi-turn task: outcome-only GRPO against each turn plugin that applies (issue #15).
 
-Every run is `examples/multiturn.yaml` (guess 1..4 in 3 turns on the embedded model, LoRA, 20 steps) with
+Every run is `examples/multiturn.yaml` (guess 1..6 in 3 turns on the embedded model, LoRA, 20 steps) with
 its seed and, for a plugin, that plugin's entry added. It measures greedy held-out success and the turns per
-game, before and after training. Each run stores one JSON under ``benchmarks/results/multiturn/runs/``, and a
+game, before and after training. Each run stores one JSON under ``benchmarks/results/multiturn/guess-<max>x<turns>/runs/``, and a
 finished run is skipped, so the grid resumes where it stopped. ``--report`` writes the table into
 docs/results.md (between its markers) from the runs finished so far, with paired differences against GRPO
 on the same seeds.
@@ -100,7 +100,11 @@ def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
     path = folder / "config.yaml"
     config = config_of(label, seed, str(folder / "out"))
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    metrics = train(str(path))
+    return record(label, seed, config, train(str(path)), out)
+
+
+def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Store one finished run (``metrics``: what `train` returns, or its ``metrics.json``) as the grid's result."""
     steps = [h for h in metrics["log_history"] if "loss" in h]
     result = {"label": label, "seed": seed, "plugins": VARIANTS[label], "config": config,
               "before": metrics["heldout_accuracy_before"], "after": metrics["heldout_accuracy_after"],
