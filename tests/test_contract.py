@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIRS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
 
 
-def _entry_point(plugin_dir: Path) -> tuple[str, str]:
+def _entry_points(plugin_dir: Path) -> list[tuple[str, str]]:
+    """The package's plugins: one per method, or several keys of one method (TACO's `taco` and `taco_probe`)."""
     data = tomllib.loads((plugin_dir / "pyproject.toml").read_text())
-    (name, value), = data["project"]["entry-points"]["trl_credit"].items()
-    return name, value
+    points = list(data["project"]["entry-points"]["trl_credit"].items())
+    assert points, f"{plugin_dir.name} declares no trl_credit entry point"
+    return points
 
 
 # ---------------------------------------------------------------- the base class
@@ -35,10 +37,10 @@ def _entry_point(plugin_dir: Path) -> tuple[str, str]:
 
 @pytest.mark.parametrize("plugin_dir", PLUGIN_DIRS, ids=lambda p: p.name)
 def test_every_plugin_in_this_repository_subclasses_plugin(plugin_dir):
-    name, value = _entry_point(plugin_dir)
-    cls = available()[name].load()
-    assert issubclass(cls, Plugin), f"{value} must subclass trl_credit.Plugin"
-    assert f"{cls.__module__}:{cls.__qualname__}" == value
+    for name, value in _entry_points(plugin_dir):
+        cls = available()[name].load()
+        assert issubclass(cls, Plugin), f"{value} must subclass trl_credit.Plugin"
+        assert f"{cls.__module__}:{cls.__qualname__}" == value
 
 
 def test_plugin_defaults_do_nothing_and_plain_classes_keep_working():
