@@ -60,7 +60,9 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     "empg": [{"name": "empg"}],
     "mira": [{"name": "mira", "column": "guess_distance", "values": "distance", "thresholds": [1, 0]}],
     # the masked reply keeps the game's ChatML wrap (as GuessRollout renders a reply), only its words are hidden
-    "infopo": [{"name": "infopo", "mask_text": "\n<|im_start|>user\n[feedback hidden]<|im_end|>\n<|im_start|>assistant\n"}],
+    # (written out: the grid's first runs predate keep_wrap, which derives almost the same context by itself)
+    "infopo": [{"name": "infopo", "keep_wrap": False,
+                "mask_text": "\n<|im_start|>user\n[feedback hidden]<|im_end|>\n<|im_start|>assistant\n"}],
     # guess_solved reads the rollout's outcome: probes are judged by their last number against the secret
     "taco": [{"name": "taco", "score": "answer", "num_samples": 4, "max_new_tokens": 6}],
 }

@@ -11,7 +11,7 @@ import torch
 from trl_credit import ConfigError, grpo_advantages, hookimpl
 from trl_credit.testing import (ScriptedTurns, check_plugin, make_batch, plugin_set, run_plugin, scripted_turns_reward,
                                 tiny_tokenizer, train_tiny)
-from trl_credit_infopo import MASK_TEXT, InfoPO, gate, outcome_spread
+from trl_credit_infopo import MASK_TEXT, InfoPO, gate, outcome_spread, reply_wrap
 
 # Row layouts: ("m", text) a model turn, ("e", text) an environment reply (tool_mask 0).
 ROWS = [
@@ -102,6 +102,18 @@ def test_gate_values():
     torch.testing.assert_close(spread, torch.tensor([math.sqrt(2 / 9), 0.0, 0.5]))  # population std, NaN left out
 
 
+def test_reply_wrap_keeps_what_every_reply_shares_and_masks_only_the_feedback():
+    tok = tiny_tokenizer()
+    wrap = "\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # the guess game's reply (ChatML)
+    replies = [tok(wrap.format(text), add_special_tokens=False)["input_ids"]
+               for text in ("Higher.", "Lower.", "Reply with just a number.")]
+    head, tail = reply_wrap(replies)
+    assert tok.decode(head) == "\n<|im_start|>user\n" and tok.decode(tail) == ".<|im_end|>\n<|im_start|>assistant\n"
+    assert reply_wrap([replies[0], replies[0]]) == ([], [])  # one distinct reply: no wrap can be told apart
+    assert reply_wrap([[1, 2], [1, 2, 2]]) == ([1, 2], [])  # a reply that is all wrap: head and tail never overlap
+    assert reply_wrap([[5, 1], [6, 1]]) == ([], [1])
+
+
 # ------------------------------------------------------------------------------------------------ the vector
 def test_hand_computed_vector_on_a_multi_turn_batch():
     seen = []
@@ -138,10 +150,14 @@ def test_the_masked_prefix_carries_the_mask_text_as_context():
         return batch
 
     run_plugin(InfoPO, spy(layout_batch()))
-    assert set(contexts) == {(None, "sum"), (MASK_TEXT, "sum")} and len(contexts) == 4  # 2 feedback turns x 2
+    # the replies " Yes." " No." " Warm." all end with ".": the wrap they share stays around the placeholder
+    assert set(contexts) == {(None, "sum"), (MASK_TEXT + ".", "sum")} and len(contexts) == 4  # 2 feedback turns x 2
     contexts.clear()
-    a = run_plugin(InfoPO, spy(layout_batch()), {"mask_text": ""}).advantages  # the reply dropped entirely
+    a = run_plugin(InfoPO, spy(layout_batch()), {"mask_text": "", "keep_wrap": False}).advantages  # reply dropped
     assert set(contexts) == {(None, "sum"), ("", "sum")}
+    contexts.clear()
+    run_plugin(InfoPO, spy(layout_batch()), {"keep_wrap": False})
+    assert set(contexts) == {(None, "sum"), (MASK_TEXT, "sum")}
     assert per_turn(layout_batch(), a)[0] == pytest.approx(EXPECTED[0], abs=1e-5)  # same scores, same vector
 
 

@@ -12,7 +12,9 @@ turn ``k`` begins, ``e_ik`` the token just past it, so ``o_ik = y_i[e_ik : s_i,k
 to turn ``k``; ``a_i,k+1`` the text of turn ``k + 1``)::
 
     F_ik  = log pi(a_i,k+1 | prompt, y_i[:s_i,k+1])                 factual: the feedback seen
-    M_ik  = log pi(a_i,k+1 | prompt, y_i[:e_ik], mask_text)         masked: the feedback replaced
+    M_ik  = log pi(a_i,k+1 | prompt, y_i[:e_ik], h + mask_text + t) masked: the feedback replaced; h, t: the
+                                   token runs every reply of the batch begins and ends with (the template's wrap,
+                                   `reply_wrap`; keep_wrap false: none)
     IG_ik = F_ik - M_ik            k = 0 .. c_i - 2   (reduce "sum" over a_i,k+1's tokens, or "mean")
                                    the last turn has no next action: no IG (0 credit)
     A_i   = GRPO's outcome advantage of the total reward (the run's scale_rewards / aggregation)
@@ -34,7 +36,8 @@ measurably changes the agent's subsequent action distribution compared to a mask
 an "adaptive variance-gated fusion" with the task outcome; secondary summaries add that the reward is the
 log-likelihood ratio of the next action with vs without the feedback, one extra forward pass per turn and no
 extra environment calls. The official code (github.com/kfq20/InfoPO) was not available. Chosen here: the mask
-placeholder ``"[feedback hidden]"`` (``""`` drops the reply), the sum over the action's tokens, pooled group
+placeholder ``"[feedback hidden]"`` inside the wrap all replies share (``keep_wrap``: a chat template's role
+header and the next assistant header stay, only the words of the feedback go; ``""`` drops them), the sum over the action's tokens, pooled group
 z-scoring of the gains, the gate ``exp(-std / 0.25)`` (a binary group split in half: 0.135) and its additive
 fusion with ``info_coef = 1``.
 """
@@ -53,10 +56,30 @@ if TYPE_CHECKING:
 
     from trl_credit import RolloutBatch
 
-__all__ = ["InfoPO", "MASK_TEXT", "fuse", "gate", "outcome_spread"]
+__all__ = ["InfoPO", "MASK_TEXT", "fuse", "gate", "outcome_spread", "reply_wrap"]
 
 #: the default placeholder that stands for an environment reply in the masked counterfactual
 MASK_TEXT = "[feedback hidden]"
+
+
+def reply_wrap(replies: list[list[int]]) -> tuple[list[int], list[int]]:
+    """``(head, tail)``: the longest token runs that every reply begins and ends with (a chat template's wrap, e.g.
+    ``"\\n<|im_start|>user\\n"`` ... ``"<|im_end|>\\n<|im_start|>assistant\\n"``). What all replies share
+    carries no feedback; fewer than two distinct replies give no wrap (nothing to tell it from the content)."""
+    import torch
+
+    if len({tuple(r) for r in replies}) < 2:
+        return [], []
+    shortest = min(len(r) for r in replies)
+    if shortest == 0:
+        return [], []
+    heads = torch.tensor([r[:shortest] for r in replies])
+    tails = torch.tensor([r[len(r) - shortest:] for r in replies])
+    head = int(torch.cumprod((heads == heads[0]).all(0).long(), 0).sum())
+    tail = int(torch.cumprod((tails == tails[0]).all(0).long().flip(0), 0).sum())
+    tail = min(tail, shortest - head)  # a reply that is all wrap: the head keeps it
+    first = replies[0]
+    return first[:head], first[len(first) - tail:] if tail else []
 
 
 def outcome_spread(total: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -91,6 +114,9 @@ class InfoPO(Plugin):
         model_config = ConfigDict(extra="forbid")
         mask_text: str = Field(MASK_TEXT, description="text that replaces a turn's environment reply in the masked "
                                "counterfactual (unscored context); empty: the reply is dropped")
+        keep_wrap: bool = Field(True, description="keep the tokens every reply of the batch begins and ends with "
+                                "(the chat template's wrap, the next assistant header) around mask_text, so only the "
+                                "feedback itself is masked; false: mask_text replaces the whole reply")
         reduce: Literal["sum", "mean"] = Field("sum", description="IG over the next action's tokens: the log-ratio "
                                                "of the whole action (sum) or its per-token mean (mean)")
         info_coef: float = Field(1.0, ge=0.0, description="weight of the z-scored information gain added to the "
@@ -115,6 +141,7 @@ class InfoPO(Plugin):
         seen_end = starts + lengths  # just past each model turn: where its reply begins
         ids = batch.completion_ids.cpu()
         scorable = ~torch.isnan(batch.total_reward()).cpu()
+        context = self.masked_context(batch, ids, seen_end, starts, count)
         for j in range(k - 1):  # turn j's feedback, turn j + 1's action; bounded by the batch's most turns
             has = (count > j + 1) & scorable
             rows = has.nonzero().flatten().tolist()
@@ -128,9 +155,22 @@ class InfoPO(Plugin):
             factual = batch.prefix_logps(torch.where(has, starts[:, j + 1], -1).unsqueeze(1), texts,
                                          reduce=cfg.reduce)
             masked = batch.prefix_logps(torch.where(has, seen_end[:, j], -1).unsqueeze(1), texts,
-                                        reduce=cfg.reduce, context=cfg.mask_text)
+                                        reduce=cfg.reduce, context=context)
             gains[:, j] = (factual - masked)[:, 0].to(gains.device)
         return gains
+
+    def masked_context(self, batch: RolloutBatch, ids: torch.Tensor, seen_end: torch.Tensor, starts: torch.Tensor,
+                       count: torch.Tensor) -> str:
+        """What stands in for a reply: ``mask_text``, inside the wrap all of the batch's replies share (keep_wrap)."""
+        cfg = self.config
+        if not cfg.keep_wrap:
+            return cfg.mask_text
+        replies = [ids[i, seen_end[i, j]: starts[i, j + 1]].tolist()  # a loop over replies, bounded by the batch
+                   for i in range(ids.shape[0]) for j in range(int(count[i]) - 1)]
+        head, tail = reply_wrap(replies)
+        decode = lambda part: batch.tokenizer.decode(part, skip_special_tokens=False,  # noqa: E731
+                                                     clean_up_tokenization_spaces=False) if part else ""
+        return decode(head) + cfg.mask_text + decode(tail)
 
     @hookimpl
     def compute_advantages(self, batch: RolloutBatch) -> torch.Tensor:
