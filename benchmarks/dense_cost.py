@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {"prime": 2.0}  # scoring + update; one extra no-grad pass: 1.0; several passes or probes: reported only
+# scoring + update; one extra no-grad pass: 1.0; several passes or probes: reported only. fixed_prm runs two
+# no-grad passes (under its PRM adapter, and the reference when TRL has none, beta = 0): 1.0 each
+TARGETS = {"prime": 2.0, "fixed_prm": 2.0}
 MULTI = ("igpo", "trace", "pppo", "spae", "mrt", "s_grpo", "p2s", "siop", "guide", "scaf_grpo", "expo", "taco_probe")  # several passes or generation per completion: no single-pass target
 DEFAULT_TARGET = 1.0
 # plugin -> (options, reward columns, dataset prompt style)
