@@ -148,10 +148,10 @@ def summarise(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     # a part is 0 on a step where the plugin skipped that pass (GRPO-CARE scores under its EMA adapter only when a
     # group has an accurate answer): the median runs over the same steps as the total, so a part never exceeds it
     measured = [s for s in steps if s.get("trl_credit/cost/generation_seconds")]
-    part_ratio = {k.removeprefix(f"trl_credit/cost/{plugin}/").removeprefix("trl_credit/cost/"): statistics.median(
+    names = {k: k.removeprefix(f"trl_credit/cost/{plugin}/").removeprefix("trl_credit/cost/") for k in parts}
+    part_ratio = {names[k]: statistics.median(
         [(s.get(k) or 0.0) / s["trl_credit/cost/generation_seconds"] for s in measured]) for k in parts}
-    part_steps = {k.removeprefix(f"trl_credit/cost/{plugin}/").removeprefix("trl_credit/cost/"):
-                  sum(s.get(k) is not None for s in measured) for k in parts}
+    part_steps = {names[k]: sum(s.get(k) is not None for s in measured) for k in parts}
     target = None if plugin in MULTI else TARGETS.get(plugin, DEFAULT_TARGET)
     added = statistics.median(ratio) if ratio else None
     return {"plugin": plugin, "model": run["model"], "device": run["device"],
