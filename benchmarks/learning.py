@@ -68,6 +68,9 @@ PRIORITY = ("dynamic_sampling", "accuracy_band", "prime", "gdpo", "half_pass_sel
             "prm_clip_delta", "gtpo", "drpo")
 INFORMATIVE = "informative_groups"  # 1 - TRL's frac_reward_zero_std: groups whose rewards differ
 LAST = ("reward_noise",)  # robustness fixtures: run after the methods
+#: turn-credit plugins: on a single-turn task they are GRPO or refuse; benchmarks/multiturn.py runs them
+MULTI_TURN = ("ctc_grpo", "fatal_aware", "infopo", "matchtir", "mira", "pica", "procredit", "progress_potential", "salt",
+              "stage_norm", "taco", "turn_baseline")
 
 # name -> {"options": plugin options, "rewards": reward columns, "trainer": `trl grpo` keys it needs (its baseline
 # gets them too), "prompt": arithmetic prompt style, "mechanism": the logged metric that shows it acting,
@@ -137,8 +140,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "empg": {"prompt": "working", "options": {"segments": "steps"}, "mechanism": "trl_credit/empg/scale_max",
              "note": "steps of the working (single-turn reading of its per-turn credit)"},
     **{name: {"skip": "multi-turn credit: needs turns (and per-turn values or tool calls); arithmetic is single-turn, "
-              "see the guess task"} for name in ("ctc_grpo", "fatal_aware", "matchtir", "mira", "procredit",
-                                                 "progress_potential", "salt", "stage_norm", "turn_baseline")},
+              "see the guess task"} for name in MULTI_TURN},
+    "skillgate": {"skip": "needs skill reads (named spans) and a gold-skill column; arithmetic has neither"},
 }  # fmt: skip
 
 

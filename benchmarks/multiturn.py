@@ -65,11 +65,17 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
                 "mask_text": "\n<|im_start|>user\n[feedback hidden]<|im_end|>\n<|im_start|>assistant\n"}],
     # guess_solved reads the rollout's outcome: probes are judged by their last number against the secret
     "taco": [{"name": "taco", "score": "answer", "num_samples": 4, "max_new_tokens": 6}],
+    # the gold answer is the secret, read where the next guess begins (after "<|im_start|>assistant\n"): no cue
+    "igpo": [{"name": "igpo", "segments": "turns", "cue": ""}],
+    "trace": [{"name": "trace", "segments": "turns", "cue": "", "template": "{answer}"}],
+    # success probability of a history: the mean outcome of the group's trajectories that share it (no pass)
+    "pica": [{"name": "pica", "potential": "prefix"}],
 }
 #: turn plugins that do not apply to the game (no tools, no gold calls)
 NOT_APPLICABLE = {"fatal_aware": "needs tool calls (the game has none)",
                   "matchtir": "needs tool calls and gold calls (the game has none)",
-                  "procredit": "its one acceptance check (the right number) is the outcome itself"}
+                  "procredit": "its one acceptance check (the right number) is the outcome itself",
+                  "skillgate": "needs skill reads (named spans) and gold skills (the game has none)"}
 
 
 def result_path(out: Path, label: str, seed: int) -> Path:
@@ -127,6 +133,12 @@ def cost_cell(values: list[float | None], label: str) -> str:
     return f"{statistics.mean(known):.2f}x" if known else "not recorded"
 
 
+def late_success(run: dict[str, Any]) -> float | None:
+    """Mean sampled training success over the run's last 10 steps (the policy's own play, not greedy)."""
+    values = [x for x in (run.get("train_reward") or [])[-10:] if x == x]
+    return sum(values) / len(values) if values else None
+
+
 def report(out: Path) -> str:
     runs: dict[str, dict[int, dict]] = {}
     for path in sorted((out / "runs").glob("*/seed*.json")):
@@ -135,18 +147,21 @@ def report(out: Path) -> str:
     base = runs.get("grpo", {})
     lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
              "(paired, 95% CI) | Δ turns vs GRPO | s/step | plugin time / generation time | sampled training success, "
-             "last 10 steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "last 10 steps | Δ sampled training success vs GRPO |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in VARIANTS:
         done = runs.get(label, {})
         if not done:
-            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | - | not run yet (the grid is resumable) |")
+            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | - | - | not run yet (the grid is resumable) |")
             continue
         seeds = sorted(done)
         after, turns = stats([done[s]["after"] for s in seeds]), stats([done[s]["turns_after"] for s in seeds])
         paired = [s for s in seeds if s in base] if label != "grpo" else []
         d_after = stats([done[s]["after"] - base[s]["after"] for s in paired])
         d_turns = stats([done[s]["turns_after"] - base[s]["turns_after"] for s in paired])
+        trained = [s for s in paired if late_success(done[s]) is not None and late_success(base[s]) is not None]
+        d_trained = stats([late_success(done[s]) - late_success(base[s]) for s in trained])
+        late = [x for x in (late_success(done[s]) for s in seeds) if x is not None]
 
         def f(x: dict[str, Any]) -> str:
             if x["n"] == 0:
@@ -159,7 +174,7 @@ def report(out: Path) -> str:
                      f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
                      f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} "
                      f"| {cost_cell([done[s].get('plugin_x_generation') for s in seeds], label)} "
-                     f"| {stats([sum(r[-10:]) / len(r[-10:]) for r in (done[s].get('train_reward') or [] for s in seeds) if r])['mean'] or 0:.3f} |")
+                     f"| {f'{statistics.mean(late):.3f}' if late else '-'} | {f(d_trained) if trained else '-'} |")
     lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]
     return "\n".join(lines)
 
@@ -185,7 +200,11 @@ def main(argv: list[str] | None = None) -> None:
                 if result_path(out, label, seed).exists():
                     continue
                 clock = time.time()
-                result = run_one(label, seed, out, work)
+                try:
+                    result = run_one(label, seed, out, work)
+                except Exception as exc:  # noqa: BLE001 - one failed run must not stop a night's grid
+                    print(f"[multiturn] {label} seed {seed}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+                    continue
                 print(f"[multiturn] {label} seed {seed}: success {result['before']:.3f} -> {result['after']:.3f}, "
                       f"turns {result['turns_after']:.2f} ({time.time() - clock:.0f} s)", flush=True)
     text = report(out)

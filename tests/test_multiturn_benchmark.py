@@ -37,17 +37,17 @@ def test_every_variant_is_the_example_plus_its_plugin_and_validates(mt, tmp_path
 
 
 def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
-    def write(label, seed, after, turns):
+    def write(label, seed, after, turns, trained):
         path = mt.result_path(tmp_path, label, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"label": label, "seed": seed, "before": 0.0, "after": after, "turns_before": 3.0,
-                                    "turns_after": turns, "seconds_per_step": 25.0}))
+                                    "turns_after": turns, "seconds_per_step": 25.0, "train_reward": trained}))
 
-    write("grpo", 0, 0.75, 2.25)
-    write("grpo", 1, 0.5, 2.5)
-    write("salt", 0, 0.875, 2.0)
-    write("salt", 1, 0.5, 2.75)
-    write("salt", 2, 1.0, 1.0)  # no GRPO seed 2: not paired
+    write("grpo", 0, 0.75, 2.25, [1.0] * 5 + [0.1] * 10)  # only the last 10 steps count: 0.1
+    write("grpo", 1, 0.5, 2.5, [0.2, float("nan")])  # NaN steps are left out: 0.2
+    write("salt", 0, 0.875, 2.0, [0.3] * 10)
+    write("salt", 1, 0.5, 2.75, [0.2, 0.6])  # 0.4
+    write("salt", 2, 1.0, 1.0, [1.0])  # no GRPO seed 2: not paired
     for seed, cost in ((0, 0.5), (1, 1.0), (2, None)):  # a run from before the cost was recorded: left out
         path = mt.result_path(tmp_path, "salt", seed)
         path.write_text(json.dumps({**json.loads(path.read_text()), "plugin_x_generation": cost}))
@@ -55,7 +55,8 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| `salt`"))
     # paired over seeds 0 and 1: deltas +0.125 and 0.0 -> mean +0.0625, t(1) 12.706 * std 0.0884 / sqrt 2 = 0.794
     assert "| 3 | 0.000 | 0.792" in row and "+0.062 ± 0.794" in row and "+0.000 ± 3.176" in row
-    assert "| 25.0 | 0.75x |" in row
+    # sampled training success: mean over seeds 0.3, 0.4, 1.0 = 0.567; paired deltas +0.2, +0.2 (no spread)
+    assert "| 25.0 | 0.75x | 0.567 | +0.200 ± 0.000 |" in row
     assert "| `empg` | 0 |" in table and "not run yet" in table
 
 
@@ -68,3 +69,17 @@ def test_plugin_cost_is_the_median_hook_time_over_generation_time_after_the_firs
     assert mt.plugin_cost(steps, ["taco"]) == 0.5  # 0.5, 0.25, 3.0 (step 1 left out)
     assert mt.plugin_cost([h(1.0, 0.0, 1.0), h(2.0, 1.0, 1.0)], ["taco", "other"]) == 1.0
     assert mt.plugin_cost(steps, []) is None
+
+
+def test_every_turn_plugin_the_learning_grid_skips_is_run_here_or_said_not_to_apply(mt):
+    """A turn plugin is left out of the arithmetic grid because the guess game runs it: none falls between."""
+    from learning import MULTI_TURN  # benchmarks/ is on the path (the mt fixture)
+
+    from trl_credit.plugins import available
+
+    installed = {name for name, info in available().items() if not info.builtin}
+    here = {entry["name"] for entries in mt.VARIANTS.values() for entry in entries} | set(mt.NOT_APPLICABLE)
+    assert set(MULTI_TURN) - here == set()
+    assert {"igpo", "trace", "pica", "infopo", "taco"} <= here  # the turn modes of the step scorers too
+    assert here <= installed and set(mt.NOT_APPLICABLE).isdisjoint(
+        {entry["name"] for entries in mt.VARIANTS.values() for entry in entries})
