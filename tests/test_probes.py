@@ -155,3 +155,13 @@ def test_soft_values_are_the_logits_read_as_soft_q(make_trainer, arithmetic):
     q2, v2 = seen["policy"]  # another temperature: V = 0.5 * logsumexp(logits / 0.5)
     assert not torch.allclose(v2, v) and torch.isfinite(v2).all()
     assert trainer._metrics["train"]["trl_credit/cost/soft_values_seconds"]
+
+
+def test_answer_prefix_is_the_cue_after_its_last_think_close():
+    from trl_credit import answer_prefix
+
+    assert answer_prefix("\n</think>\nThe final answer is") == "The final answer is"  # MRT's cue
+    assert answer_prefix("Time is up.\n</think>\n\n**Answer:**") == "**Answer:**"
+    assert answer_prefix("a</think>b</think>  c") == "c"  # the last one
+    assert answer_prefix("  My final answer is") == "My final answer is"  # no </think>: only stripped
+    assert answer_prefix("\n</think>") == ""

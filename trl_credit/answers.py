@@ -1,4 +1,5 @@
-"""Answer extraction shared by rewards and plugins: the text of a completion, the last number in it."""
+"""Answer extraction shared by rewards and plugins: the text of a completion, the last number in it, the answer
+part of a probe cue."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["NUMBER_PATTERN", "completion_text", "last_number"]
+__all__ = ["NUMBER_PATTERN", "answer_prefix", "completion_text", "last_number"]
 
 # A number: optional minus (only when not glued to a preceding digit, so "5-3" reads as 5 and 3),
 # digits with optional thousands separators, optional decimals (so "12.0" reads as 12).
@@ -36,3 +37,11 @@ def last_number(text: str) -> Decimal | None:
     return Decimal(matches[-1].replace(",", ""))
 
 
+def answer_prefix(cue: str) -> str:
+    """The part of a probe cue that is scored with the sampled answer: the text after the cue's last ``</think>``,
+    leading whitespace stripped (``"\n</think>\nThe final answer is"`` -> ``"The final answer is"``).
+
+    A forced answer (MRT, TACO) is sampled after ``prefix + cue`` but judged as a completion of its own: the
+    reward functions then see ``answer_prefix(cue) + answer``, the answer with the words that introduce it.
+    """
+    return cue.rsplit("</think>", 1)[-1].lstrip()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import ConfigError, Plugin, Regex, hookimpl, step_ends, token_steps
+from trl_credit import ConfigError, Plugin, Regex, answer_prefix, hookimpl, step_ends, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -52,11 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["MRT", "MRT_CUE", "answer_prefix", "segments"]
 
 MRT_CUE = "\n</think>\nThe final answer is"
-
-
-def answer_prefix(cue: str) -> str:
-    """The answer part of a termination cue: the text after its last ``</think>``, leading whitespace stripped."""
-    return cue.rsplit("</think>", 1)[-1].lstrip()
 
 
 def _content(batch: RolloutBatch) -> torch.Tensor:

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trl_credit import (ConfigError, Plugin, Regex, grpo_advantages, group_normalise, hookimpl, last_number,
-                        step_ends, token_steps)
+from trl_credit import (ConfigError, Plugin, Regex, answer_prefix, grpo_advantages, group_normalise, hookimpl,
+                        last_number, step_ends, token_steps)
 
 if TYPE_CHECKING:
     import torch
@@ -68,12 +68,6 @@ TACO_CUE = "My final answer is"
 
 #: bundled reward functions that read a rollout field (the outcome), not the text they are given
 _OUTCOME_READERS = ("guess_reward", "scripted_turns_reward")
-
-
-def answer_prefix(cue: str) -> str:
-    """The part of ``cue`` that is put before a sampled answer when it is scored: the text after its last
-    ``</think>``, without leading whitespace (``"\\n</think>\\nThe answer is"`` -> ``"The answer is"``)."""
-    return cue.rsplit("</think>", 1)[-1].lstrip()
 
 
 def call_values(j: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
