@@ -183,3 +183,24 @@ def test_carry_forward_fills_unrecorded_turns_with_the_last_value():
     filled = carry_forward(values)  # NaN until a value is known
     assert torch.isnan(filled[0, 0]) and filled[0, 1:].tolist() == [1.0, 1.0, 3.0] and torch.isnan(filled[2]).all()
     assert carry_forward(torch.zeros(2, 0)).shape == (2, 0)
+
+
+def test_group_normalise_reads_only_its_pool_and_pools_each_group_apart():
+    from trl_credit import group_normalise
+
+    nan = float("nan")
+    # per-turn (N=4, K=2), groups of 2: group 0 pools [1, 3, 5] (row 1's second turn is outside, NaN)
+    x = torch.tensor([[1.0, 3.0], [5.0, nan], [2.0, 2.0], [nan, 2.0]])
+    pool = torch.tensor([[True, True], [True, False], [True, True], [False, True]])
+    z = group_normalise(x, pool, 2, "group")
+    # mean 3, population sigma sqrt(8/3) = 1.632993 -> (x - 3) / (1.632993 + 1e-6); group 1 is constant: 0
+    s = 1.632993 + 1e-6
+    torch.testing.assert_close(z, torch.tensor([[-2 / s, 0.0], [2 / s, 0.0], [0.0, 0.0], [0.0, 0.0]]), atol=1e-5, rtol=0)
+    assert not torch.isnan(z).any()
+    torch.testing.assert_close(group_normalise(x, pool, 2, "mean"),
+                               torch.tensor([[-2.0, 0.0], [2.0, 0.0], [0.0, 0.0], [0.0, 0.0]]))
+    torch.testing.assert_close(group_normalise(x, pool, 2, "none"),
+                               torch.tensor([[1.0, 3.0], [5.0, 0.0], [2.0, 2.0], [0.0, 2.0]]))
+    # per completion (N,), an empty pool: all 0
+    flat = group_normalise(torch.tensor([nan, 4.0, 1.0, 3.0]), torch.tensor([False, False, True, True]), 2)
+    torch.testing.assert_close(flat, torch.tensor([0.0, 0.0, -1.0, 1.0]), atol=1e-5, rtol=0)

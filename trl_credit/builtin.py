@@ -84,12 +84,13 @@ def grpo_advantages(rewards_per_func, reward_weights, num_generations: int, scal
 def group_normalise(x, pool, num_generations: int, mode: str = "group"):
     """``x`` ``(N, ...)`` (per completion, or per turn ``(N, K)``) against its group, over the entries where ``pool``
     is True: z-scored (``mode="group"``: population sigma + 1e-6; a sigma below 1e-6 counts as 1, so a constant
-    group stays 0), mean-centred (``"mean"``) or as is (``"none"``); 0 outside the pool."""
+    group stays 0), mean-centred (``"mean"``) or as is (``"none"``); 0 outside the pool. Entries outside the pool
+    are never read, so they may be NaN (a turn that was not scored)."""
     import torch
 
     shape = x.shape
-    values = x.reshape(-1, num_generations * (x[0].numel() if x.dim() > 1 else 1))
-    m = pool.reshape(values.shape).to(x.dtype)
+    m = pool.reshape(-1, num_generations * (x[0].numel() if x.dim() > 1 else 1)).to(x.dtype)
+    values = torch.where(m > 0, x.reshape(m.shape), torch.zeros((), dtype=x.dtype))
     if mode == "none":
         return (values * m).reshape(shape)
     count = m.sum(1, keepdim=True).clamp(min=1)

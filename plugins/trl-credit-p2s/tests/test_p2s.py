@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from trl_credit import ConfigError
+from trl_credit import ConfigError, group_normalise
 from trl_credit.testing import (check_args, check_plugin, make_batch, plugin_set, run_plugin, tiny_dataset,
                                 tiny_tokenizer, train_tiny)
-from trl_credit_p2s import P2S, group_normalise, proportional_suffixes, token_step_index
+from trl_credit_p2s import P2S, proportional_suffixes, token_step_index
 
 # two completions of one prompt, two steps each; with one character per token, "ab\ncd" has step ends [3, 5]
 TEXTS = ["ab\ncd", "xy\nzw"]
@@ -58,7 +58,7 @@ def test_raw_gains_and_the_coefficient():
     torch.testing.assert_close(flat, torch.tensor([[A_OUT] * 5, [-A_OUT] * 5]), atol=1e-6, rtol=0)
 
 
-def test_group_normalise_pools_each_group_apart():
+def test_group_normalise_pools_each_group_apart():  # the host's, as P2S normalises its gains
     gains = torch.tensor([[0.3, 0.1], [-0.1, 0.3], [0.2, 0.0], [0.4, 0.0]])
     valid = torch.tensor([[True, True], [True, True], [True, False], [True, False]])
     z = group_normalise(gains, valid, 2)

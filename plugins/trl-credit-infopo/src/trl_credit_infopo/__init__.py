@@ -190,7 +190,7 @@ class InfoPO(Plugin):
             return outcome
         gains = self.information_gains(batch)
         pool = torch.isfinite(gains)
-        z = group_normalise(torch.where(pool, gains, 0.0), pool, g)
+        z = group_normalise(gains, pool, g)
         per_turn = fuse(outcome.to(z), z, w_group.repeat_interleave(g).to(z), cfg.info_coef)
         if pool.any():
             self.log_metric(batch, "information_gain", float(gains[pool].mean()))

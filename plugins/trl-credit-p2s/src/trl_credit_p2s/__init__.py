@@ -16,7 +16,8 @@ Formula (completion ``i`` with ``K_i`` steps, ``e_ik`` the token position just p
                                         (M_i gold steps: the part of the gold path still ahead, in proportion)
     d_ik   = PFR_ik - PFR_i,k-1                                                     k = 1 .. K_i (step k's gain)
     normalize "group": z_ik = (d_ik - mean_g d) / (std_g d + 1e-6), pooled over every gain of the group
-                       (population std);   normalize "none": z_ik = d_ik
+                       (population std; a std below 1e-6 counts as 1: `trl_credit.group_normalise`);
+                       normalize "none": z_ik = d_ik
     A_it   = A_i(t) + coef * z_ik(t) * m_it          t in step k(t); A the incoming (outcome) advantage
 
 The prefixes never include the completion's EOS token (the gold text continues the reasoning, not a finished
@@ -44,14 +45,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Plugin, Regex, hookimpl, split_steps, step_ends
+from trl_credit import Plugin, Regex, group_normalise, hookimpl, split_steps, step_ends
 
 if TYPE_CHECKING:
     import torch
 
     from trl_credit import RolloutBatch
 
-__all__ = ["P2S", "group_normalise", "prefix_ends", "proportional_suffixes", "step_credit", "token_step_index"]
+__all__ = ["P2S", "prefix_ends", "proportional_suffixes", "step_credit", "token_step_index"]
 
 
 def prefix_ends(batch: RolloutBatch, pattern: str, max_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,27 +80,13 @@ def token_step_index(ends: torch.Tensor, width: int) -> torch.Tensor:
     return ((e >= 0) & (e <= position)).sum(-1)
 
 
-def group_normalise(gains: torch.Tensor, valid: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """``(d - mean_g) / (std_g + 1e-6)`` over the valid gains of each group (population std), 0 elsewhere."""
-    n, k = gains.shape
-    d = gains.nan_to_num(0.0).reshape(-1, num_generations * k)
-    m = valid.reshape(-1, num_generations * k).to(d.dtype)
-    count = m.sum(1, keepdim=True).clamp(min=1)
-    mean = (d * m).sum(1, keepdim=True) / count
-    std = ((((d - mean) ** 2) * m).sum(1, keepdim=True) / count).sqrt()
-    return (((d - mean) / (std + 1e-6)) * m).reshape(n, k)
-
-
 def step_credit(pfr: torch.Tensor, num_generations: int, normalize: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
     """``(z, gains)``, both ``(N, K)``: the PFR gains ``PFR_k - PFR_k-1`` (NaN where not scored) and the step
     credit (group-normalised or raw; 0 where not scored), from ``pfr`` ``(N, K + 1)`` (NaN past a row's steps)."""
     import torch
 
     gains = pfr[:, 1:] - pfr[:, :-1]
-    valid = ~torch.isnan(gains)
-    if normalize == "group":
-        return group_normalise(gains, valid, num_generations), gains
-    return torch.where(valid, gains, 0.0), gains
+    return group_normalise(gains, ~torch.isnan(gains), num_generations, normalize), gains
 
 
 def proportional_suffixes(gold: str, steps: int, prefixes: int, pattern: str = r"\n+") -> list[str]:

@@ -85,7 +85,7 @@ def dapr(d: torch.Tensor, num_generations: int, mode: str = "group") -> torch.Te
     import torch
 
     scored = torch.isfinite(d)
-    return group_normalise(torch.where(scored, d, 0.0), scored, num_generations, mode)
+    return group_normalise(d, scored, num_generations, mode)
 
 
 def route(outcome: torch.Tensor, d: torch.Tensor, routing: str = "gated") -> torch.Tensor:
