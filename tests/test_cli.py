@@ -84,19 +84,20 @@ def test_new_plugin_skeleton_installs_and_its_tests_pass(tmp_path, capsys):
     package = tmp_path / "trl-credit-shiny-method"
     assert code == 0 and package.is_dir()
     assert 'dependencies = ["trl-credit>=0.2,<0.3"]' in (package / "pyproject.toml").read_text()
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(package)]
+    # installed into a folder of its own, never the shared environment: the suite's other worker (pytest-xdist)
+    # lists the installed plugins meanwhile, and must not see this one
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
+           str(package)]
     subprocess.run(pip, check=True, capture_output=True)
-    try:
-        listed = subprocess.run([sys.executable, "-m", "trl_credit.app.cli", "plugins", "--json"], capture_output=True,
-                                text=True, check=True)
-        assert "shiny_method" in {e["name"] for e in json.loads(listed.stdout)}
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],
-                               capture_output=True, text=True, cwd=tmp_path)
-        assert tests.returncode == 0, tests.stdout + tests.stderr
-        assert "3 passed" in tests.stdout
-    finally:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "trl-credit-shiny-method"],
-                       capture_output=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    listed = subprocess.run([sys.executable, "-m", "trl_credit.app.cli", "plugins", "--json"], capture_output=True,
+                            text=True, check=True, env=env)
+    assert "shiny_method" in {e["name"] for e in json.loads(listed.stdout)}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(package / "tests")],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+    assert "3 passed" in tests.stdout
     with pytest.raises(FileExistsError):
         cli.main(["new-plugin", "shiny_method", "--dir", str(tmp_path)])
 

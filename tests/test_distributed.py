@@ -18,7 +18,8 @@ HERE = Path(__file__).parent
 
 
 def launch_two(tmp_path, mode: str, port: int) -> list[dict]:
-    """Run distributed_worker.py on two CPU processes; the per-rank records it saved."""
+    """Run distributed_worker.py on two CPU processes; the per-rank records it saved. ``port``: one per call site
+    (the suite runs on two pytest-xdist workers, so two launches may be alive at once)."""
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
@@ -111,7 +112,7 @@ def test_augmentation_and_loss_rows_on_two_processes(tmp_path, tiny_model):
 
 @pytest.mark.distributed
 def test_auxiliary_adapters_are_the_same_on_two_processes(tmp_path, tiny_model):
-    ranks = launch_two(tmp_path, "adapter", 29537)
+    ranks = launch_two(tmp_path, "adapter", 29540)
     assert [r["world"] for r in ranks] == [2, 2]
     a, b = ranks[0]["adapters"], ranks[1]["adapters"]
     prm = [n for n in a if ".tc_aux_prm_prm." in n]

@@ -67,7 +67,7 @@ def _second_token(completions, completion_ids, question, **kwargs):
 
 
 @pytest.mark.parametrize("with_refill", [False, True])
-def test_a_rollout_func_with_env_mask_trains_with_turn_credit(monkeypatch, with_refill):
+def test_a_rollout_func_with_env_mask_trains_with_turn_credit(monkeypatch, with_refill, tmp_path):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl import GRPOConfig
 
@@ -76,7 +76,7 @@ def test_a_rollout_func_with_env_mask_trains_with_turn_credit(monkeypatch, with_
     from trl_credit.trainer import CreditGRPOTrainer
 
     TurnCredit.seen.clear()
-    args = GRPOConfig(output_dir="/tmp/trl_credit_turns", per_device_train_batch_size=8, num_generations=4,
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=8, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
                       use_cpu=True, bf16=False, seed=0, learning_rate=1e-3, disable_tqdm=True)
     trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[_second_token], args=args,
