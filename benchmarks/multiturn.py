@@ -68,6 +68,8 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
     # the gold answer is the secret, read where the next guess begins (after "<|im_start|>assistant\n"): no cue
     "igpo": [{"name": "igpo", "segments": "turns", "cue": ""}],
     "trace": [{"name": "trace", "segments": "turns", "cue": "", "template": "{answer}"}],
+    # no gold: the group's final guesses are the answer clusters, read where the next guess begins
+    "siop": [{"name": "siop", "segments": "turns", "cue": ""}],
     # success probability of a history: the mean outcome of the group's trajectories that share it (no pass)
     "pica": [{"name": "pica", "potential": "prefix"}],
 }

@@ -80,6 +80,6 @@ def test_every_turn_plugin_the_learning_grid_skips_is_run_here_or_said_not_to_ap
     installed = {name for name, info in available().items() if not info.builtin}
     here = {entry["name"] for entries in mt.VARIANTS.values() for entry in entries} | set(mt.NOT_APPLICABLE)
     assert set(MULTI_TURN) - here == set()
-    assert {"igpo", "trace", "pica", "infopo", "taco"} <= here  # the turn modes of the step scorers too
+    assert {"igpo", "trace", "siop", "pica", "infopo", "taco"} <= here  # the turn modes of the step scorers too
     assert here <= installed and set(mt.NOT_APPLICABLE).isdisjoint(
         {entry["name"] for entries in mt.VARIANTS.values() for entry in entries})
