@@ -113,6 +113,12 @@ def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
     return record(label, seed, config, train(str(path)), out)
 
 
+def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
+    """Median of TRL's per-step ``step_time``: unlike the mean, a few steps slowed by another job barely move it."""
+    times = [h["step_time"] for h in steps if isinstance(h.get("step_time"), (int, float))]
+    return round(statistics.median(times), 2) if times else None
+
+
 def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path) -> dict[str, Any]:
     """Store one finished run (``metrics``: what `train` returns, or its ``metrics.json``) as the grid's result."""
     steps = [h for h in metrics["log_history"] if "loss" in h]
@@ -120,12 +126,22 @@ def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any
               "before": metrics["heldout_accuracy_before"], "after": metrics["heldout_accuracy_after"],
               "turns_before": metrics["heldout_turns"][0], "turns_after": metrics["heldout_turns"][-1],
               "seconds_per_step": metrics["seconds_per_step"], "steps": len(steps),
+              "median_step_seconds": median_step_seconds(steps),
               "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps],
               "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]])}
     target = result_path(out, label, seed)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def step_cell(runs: list[dict[str, Any]]) -> str:
+    """Mean over seeds of the median step time, over the runs that recorded it; when none did (runs from before
+    it was recorded), the mean step time, marked * (it includes whatever else ran on the machine)."""
+    medians = [r["median_step_seconds"] for r in runs if r.get("median_step_seconds")]
+    if medians:
+        return f"{statistics.mean(medians):.1f}"
+    return f"{statistics.mean(r['seconds_per_step'] for r in runs):.1f}*"
 
 
 def cost_cell(values: list[float | None], label: str) -> str:
@@ -148,7 +164,7 @@ def report(out: Path) -> str:
         runs.setdefault(run["label"], {})[run["seed"]] = run
     base = runs.get("grpo", {})
     lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
-             "(paired, 95% CI) | Δ turns vs GRPO | s/step | plugin time / generation time | sampled training success, "
+             "(paired, 95% CI) | Δ turns vs GRPO | s/step (median) | plugin time / generation time | sampled training success, "
              "last 10 steps | Δ sampled training success vs GRPO |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in VARIANTS:
@@ -174,7 +190,7 @@ def report(out: Path) -> str:
         spread = f" ± {after['ci95']:.3f}" if after["ci95"] is not None else ""
         lines.append(f"| `{label}` | {len(seeds)} | {before:.3f} | {after['mean']:.3f}{spread} | {turns['mean']:.2f} "
                      f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
-                     f"| {stats([done[s]['seconds_per_step'] for s in seeds])['mean']:.1f} "
+                     f"| {step_cell([done[s] for s in seeds])} "
                      f"| {cost_cell([done[s].get('plugin_x_generation') for s in seeds], label)} "
                      f"| {f'{statistics.mean(late):.3f}' if late else '-'} | {f(d_trained) if trained else '-'} |")
     lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]

@@ -56,7 +56,13 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     # paired over seeds 0 and 1: deltas +0.125 and 0.0 -> mean +0.0625, t(1) 12.706 * std 0.0884 / sqrt 2 = 0.794
     assert "| 3 | 0.000 | 0.792" in row and "+0.062 ± 0.794" in row and "+0.000 ± 3.176" in row
     # sampled training success: mean over seeds 0.3, 0.4, 1.0 = 0.567; paired deltas +0.2, +0.2 (no spread)
-    assert "| 25.0 | 0.75x | 0.567 | +0.200 ± 0.000 |" in row
+    # s/step: runs without a median step time count their mean, marked *
+    assert "| 25.0* | 0.75x | 0.567 | +0.200 ± 0.000 |" in row
+    for seed, median in ((0, 20.0), (1, 40.0)):  # seed 2 without one: left out of the mean
+        path = mt.result_path(tmp_path, "salt", seed)
+        path.write_text(json.dumps({**json.loads(path.read_text()), "median_step_seconds": median}))
+    row = next(line for line in mt.report(tmp_path).splitlines() if line.startswith("| `salt`"))
+    assert "| 30.0 | 0.75x |" in row
     assert "| `empg` | 0 |" in table and "not run yet" in table
 
 
@@ -83,3 +89,9 @@ def test_every_turn_plugin_the_learning_grid_skips_is_run_here_or_said_not_to_ap
     assert {"igpo", "trace", "siop", "pica", "infopo", "taco"} <= here  # the turn modes of the step scorers too
     assert here <= installed and set(mt.NOT_APPLICABLE).isdisjoint(
         {entry["name"] for entries in mt.VARIANTS.values() for entry in entries})
+
+
+def test_median_step_seconds_ignores_a_few_slowed_steps(mt):
+    steps = [{"step_time": t} for t in (23.0, 24.0, 369.0, 25.0, 180.0)] + [{"loss": 0.1}]
+    assert mt.median_step_seconds(steps) == 25.0
+    assert mt.median_step_seconds([{"loss": 0.1}]) is None
