@@ -113,6 +113,52 @@ def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
     return record(label, seed, config, train(str(path)), out)
 
 
+def feedback_fields(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+    """`feedback_use` before and after training (the first and the last held-out evaluation), when recorded."""
+    if not evaluations:
+        return {}
+    return {"feedback_before": evaluations[0], "feedback_after": evaluations[-1]}
+
+
+def measure_feedback(out: Path) -> list[str]:
+    """Add `feedback_use` before and after to finished runs that predate it, from the LoRA adapter each run saved
+    in its ``output_dir`` (the base model for "before"). Returns one line per run: measured, or why not."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_credit.app.data import load_train_eval, parse_arithmetic_spec
+    from trl_credit.app.guess import feedback_use, rollout_options
+    from trl_credit.app.models import resolve_model
+
+    lines, bases = [], {}
+    for path in sorted((out / "runs").glob("*/seed*.json")):
+        run = json.loads(path.read_text())
+        folder = Path(run["config"]["output_dir"])
+        if "feedback_after" in run:
+            continue
+        if not (folder / "adapter_model.safetensors").exists():
+            lines.append(f"{path.parent.name}/{path.name}: no adapter in {folder}: not measured")
+            continue
+        config = run["config"]
+        name = resolve_model(str(config["model_name_or_path"]))
+        spec = str(config["dataset_name"])
+        turn_tokens = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))["turn_tokens"]
+        heldout = load_train_eval(spec)[1]
+        heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+        key = (name, spec, len(heldout))
+        if key not in bases:
+            bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
+        model = PeftModel.from_pretrained(base, str(folder)).eval()
+        run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout,
+                                                                           turn_tokens=turn_tokens))
+        path.write_text(json.dumps(run, indent=1) + "\n")
+        lines.append(f"{path.parent.name}/{path.name}: follows {run['feedback_after']['follows']:.3f}")
+    return lines
+
+
 def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
     """Median of TRL's per-step ``step_time``: unlike the mean, a few steps slowed by another job barely move it."""
     times = [h["step_time"] for h in steps if isinstance(h.get("step_time"), (int, float))]
@@ -127,6 +173,7 @@ def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any
               "turns_before": metrics["heldout_turns"][0], "turns_after": metrics["heldout_turns"][-1],
               "seconds_per_step": metrics["seconds_per_step"], "steps": len(steps),
               "median_step_seconds": median_step_seconds(steps),
+              **feedback_fields(metrics.get("heldout_feedback") or []),
               "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps],
               "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]])}
     target = result_path(out, label, seed)
@@ -142,6 +189,14 @@ def step_cell(runs: list[dict[str, Any]]) -> str:
     if medians:
         return f"{statistics.mean(medians):.1f}"
     return f"{statistics.mean(r['seconds_per_step'] for r in runs):.1f}*"
+
+
+def follows_cell(runs: list[dict[str, Any]]) -> str:
+    """Mean `feedback_use` ``follows`` after training over the seeds that measured it (how many, when not all)."""
+    values = [r["feedback_after"]["follows"] for r in runs if r.get("feedback_after")]
+    if not values:
+        return "-"
+    return f"{statistics.mean(values):.3f}" + (f" ({len(values)} of {len(runs)} seeds)" if len(values) < len(runs) else "")
 
 
 def cost_cell(values: list[float | None], label: str) -> str:
@@ -165,12 +220,12 @@ def report(out: Path) -> str:
     base = runs.get("grpo", {})
     lines = ["| variant | seeds | success before | success after | turns per game after | Δ success vs GRPO "
              "(paired, 95% CI) | Δ turns vs GRPO | s/step (median) | plugin time / generation time | sampled training success, "
-             "last 10 steps | Δ sampled training success vs GRPO |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "last 10 steps | Δ sampled training success vs GRPO | 2nd guess follows the feedback, after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in VARIANTS:
         done = runs.get(label, {})
         if not done:
-            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | - | - | not run yet (the grid is resumable) |")
+            lines.append(f"| `{label}` | 0 | - | - | - | - | - | - | - | - | - | not run yet (the grid is resumable) |")
             continue
         seeds = sorted(done)
         after, turns = stats([done[s]["after"] for s in seeds]), stats([done[s]["turns_after"] for s in seeds])
@@ -192,7 +247,8 @@ def report(out: Path) -> str:
                      f"| {f(d_after) if paired else '-'} | {f(d_turns) if paired else '-'} "
                      f"| {step_cell([done[s] for s in seeds])} "
                      f"| {cost_cell([done[s].get('plugin_x_generation') for s in seeds], label)} "
-                     f"| {f'{statistics.mean(late):.3f}' if late else '-'} | {f(d_trained) if trained else '-'} |")
+                     f"| {f'{statistics.mean(late):.3f}' if late else '-'} | {f(d_trained) if trained else '-'} "
+                     f"| {follows_cell([done[s] for s in seeds])} |")
     lines += ["", "Not applicable to the game: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_APPLICABLE.items()) + "."]
     return "\n".join(lines)
 
@@ -204,10 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--work", default=str(ROOT / "runs" / "multiturn"))
     parser.add_argument("--report", action="store_true", help="train nothing: write the table into docs/results.md")
+    parser.add_argument("--feedback", action="store_true", help="train nothing: measure `feedback_use` on the "
+                        "saved adapters of finished runs that predate it, then report")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "results.md"))
     args = parser.parse_args(argv)
     out, work = Path(args.out), Path(args.work)
-    if not args.report:
+    if args.feedback:
+        print("\n".join(measure_feedback(out)))
+    elif not args.report:
         seeds = list(range(int(args.seeds))) if "," not in args.seeds else [int(s) for s in args.seeds.split(",")]
         labels = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in labels if v not in VARIANTS]

@@ -106,5 +106,58 @@ def test_cli_trains_on_the_guess_task_and_reports_held_out_success(tmp_path, cap
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["heldout_accuracy_before"] == 0.0 and metrics["heldout_accuracy_after"] == 0.0  # random model
     assert metrics["heldout_turns"] == [3.0, 3.0]  # every game played to its last turn
+    assert [f["games"] for f in metrics["heldout_feedback"]] == [4, 4]  # feedback_use, before and after
+    assert all(f["follows"] == 0.0 for f in metrics["heldout_feedback"])  # the random model writes no numbers
     steps = [h for h in metrics["log_history"] if "loss" in h]
     assert len(steps) == 1 and steps[0]["rewards/guess_reward/mean"] == 0.0
+
+
+class ScriptedGuesser:
+    """A stand-in for a causal LM's ``generate``: reads the last guess and reply in each context and writes the
+    next guess by ``policy(last_guess, reply)`` (None before the first guess), then the end-of-turn token."""
+
+    def __init__(self, tokenizer, policy):
+        import torch
+
+        self.tok, self.policy, self.training = tokenizer, policy, False
+        self._p = torch.nn.Parameter(torch.zeros(1))
+
+    def parameters(self):
+        return iter([self._p])
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **options):
+        import re
+
+        import torch
+
+        assert options == {"do_sample": False}  # feedback_use plays greedily
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tok.decode([t for t, m in zip(ids, mask) if m])
+            guesses = re.findall(r"assistant\n(\d+)", text)
+            replies = re.findall(r"user\n(Higher|Lower)\.", text)
+            guess = self.policy(int(guesses[-1]) if guesses else None, replies[-1] if replies else None)
+            new = self.tok(str(guess), add_special_tokens=False)["input_ids"] + [eos_token_id]
+            rows.append(ids + new + [pad_token_id] * (max_new_tokens - len(new)))
+        return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("policy,follows,changes", [
+    (lambda g, r: 3 if g is None else (g + 2 if r == "Higher" else g - 2), 1.0, 1.0),  # halving 1..6: 3, then 5 or 1
+    (lambda g, r: 1 if g is None else g + 1, 0.0, 0.0),  # the sweep 1, 2, 3: the reply changes nothing
+    (lambda g, r: 3 if g is None else (g + 1 if r == "Higher" else g + 2), 0.0, 1.0),  # reads it, the wrong way
+])
+def test_feedback_use_tells_a_sweep_from_halving(policy, follows, changes):
+    from trl_credit.app.guess import feedback_use
+    from trl_credit.testing.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    held = make_guess(5, seed=1, max_value=6, turns=3)
+    result = feedback_use(ScriptedGuesser(tok, policy), tok, held, turn_tokens=4, batch_size=2)
+    assert result == {"follows": follows, "changes": changes, "games": 5}

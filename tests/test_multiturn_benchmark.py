@@ -95,3 +95,26 @@ def test_median_step_seconds_ignores_a_few_slowed_steps(mt):
     steps = [{"step_time": t} for t in (23.0, 24.0, 369.0, 25.0, 180.0)] + [{"loss": 0.1}]
     assert mt.median_step_seconds(steps) == 25.0
     assert mt.median_step_seconds([{"loss": 0.1}]) is None
+
+
+def test_feedback_is_measured_from_the_saved_adapter_of_a_run_that_predates_it(mt, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_credit.testing.tiny import tiny_model_path
+
+    folder = tmp_path / "work" / "out"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()), LoraConfig(r=2, target_modules="all-linear"))
+    model.save_pretrained(folder)
+    config = {"model_name_or_path": tiny_model_path(), "dataset_name": "guess:eval_n=3,turn_tokens=3",
+              "heldout_samples": 2, "output_dir": str(folder)}
+    for label, seed, out_dir in (("grpo", 0, folder), ("salt", 0, tmp_path / "gone")):
+        path = mt.result_path(tmp_path, label, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"label": label, "seed": seed, "config": {**config, "output_dir": str(out_dir)}}))
+    lines = mt.measure_feedback(tmp_path)
+    assert any(line.startswith("salt/seed0.json: no adapter") for line in lines)
+    run = json.loads(mt.result_path(tmp_path, "grpo", 0).read_text())
+    assert run["feedback_before"]["games"] == run["feedback_after"]["games"] == 2  # heldout_samples of eval_n
+    assert run["feedback_after"]["follows"] == 0.0  # a random model writes no numbers
+    assert mt.measure_feedback(tmp_path) == [line for line in lines if "no adapter" in line]  # measured once

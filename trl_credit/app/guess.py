@@ -20,7 +20,7 @@ import random
 import re
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
+__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
            "target_of"]
 
 #: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
@@ -115,6 +115,47 @@ def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8
         turns += out["guess_turns"]
     n = max(len(solved), 1)
     return {"success": sum(solved) / n, "turns": sum(turns) / n}
+
+
+def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16
+                 ) -> dict[str, float | int]:
+    """Does greedy play read the feedback? A counterfactual test on each game: the model's first guess ``g1``, then
+    its second guess after the reply "Higher." and, separately, after "Lower.".
+
+    - ``follows``: the fraction of games where both second guesses move as told (above ``g1`` after "Higher.",
+      below it after "Lower."). A fixed sweep scores 0 (its second guess is the same after either reply), halving
+      the range 1. Games without a numeric first guess count as not following.
+    - ``changes``: the fraction where the two second guesses differ at all (reading the reply in any way).
+    - ``games``: how many games were tested.
+
+    Greedy success alone cannot tell a sweep from feedback use: on 1..6 in 3 turns the sweep "1, 2, 3" wins 0.625.
+    """
+    from trl_credit.answers import last_number
+
+    def number(ids: list[int]) -> int | None:
+        value = last_number(tokenizer.decode(ids, skip_special_tokens=True))
+        return int(value) if value is not None and value == value.to_integral_value() else None
+
+    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True)
+    eos = tokenizer.eos_token_id
+    follows = changes = 0
+    prompts = list(dataset["prompt"])
+    for start in range(0, len(prompts), batch_size):  # a loop over batches of games
+        messages = [list(p) for p in prompts[start:start + batch_size]]
+        heads = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                      ["input_ids"]) for m in messages]
+        first = [ids if ids and ids[-1] == eos else ids + [eos] for ids in rollout._generate(model, tokenizer, heads, 1.0)]
+        for m, ids in zip(messages, first):
+            m.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+        second = {reply: [number(ids) for ids in rollout._generate(
+            model, tokenizer, [h + f + rollout._reply_ids(tokenizer, m, reply) for h, f, m in zip(heads, first, messages)],
+            1.0)] for reply in ("Higher.", "Lower.")}
+        for j, ids in enumerate(first):  # a loop over the batch's games
+            g1, up, down = number(ids), second["Higher."][j], second["Lower."][j]
+            changes += up != down
+            follows += None not in (g1, up, down) and up > g1 > down
+    n = len(prompts)
+    return {"follows": follows / max(n, 1), "changes": changes / max(n, 1), "games": n}
 
 
 def distance_of(guess: int, secret: int, max_value: int) -> int:

@@ -376,6 +376,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
         trainer.accelerator.print(f"held-out accuracy after training:  {metrics['heldout_accuracy_after']:.3f}")
     if getattr(trainer, "trl_credit_heldout_turns", None):
         metrics["heldout_turns"] = trainer.trl_credit_heldout_turns  # the guess task: per evaluation, in order
+        metrics["heldout_feedback"] = trainer.trl_credit_heldout_feedback  # `feedback_use`, per evaluation
     metrics["total_seconds"] = round(time.time() - started, 1)
     history = trainer.state.log_history
     metrics["log_history"] = history
@@ -440,20 +441,23 @@ def _rollout_func(cfg: Loaded):
 
 
 def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> float:
-    """Greedy held-out accuracy (single-turn) or success rate (the guess task; its mean turns played
-    are printed and kept in ``trainer.trl_credit_heldout_turns``)."""
+    """Greedy held-out accuracy (single-turn) or success rate (the guess task; its mean turns played and its
+    `feedback_use` are printed and kept in ``trainer.trl_credit_heldout_turns`` and ``..._heldout_feedback``)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     was_training = model.training
     model.eval()
     try:
         task = guess_task(cfg)
         if task is not None:
-            from trl_credit.app.guess import guess_success
+            from trl_credit.app.guess import feedback_use, guess_success
 
             result = guess_success(model, trainer.processing_class, dataset, turn_tokens=task["turn_tokens"])
+            feedback = feedback_use(model, trainer.processing_class, dataset, turn_tokens=task["turn_tokens"])
             trainer.trl_credit_heldout_turns = getattr(trainer, "trl_credit_heldout_turns", []) + [result["turns"]]
+            trainer.trl_credit_heldout_feedback = getattr(trainer, "trl_credit_heldout_feedback", []) + [feedback]
             trainer.accelerator.print(f"held-out guess: success {result['success']:.3f}, "
-                                      f"{result['turns']:.2f} turns per game")
+                                      f"{result['turns']:.2f} turns per game; the second guess follows the feedback "
+                                      f"in {feedback['follows']:.3f} of games (changes with it in {feedback['changes']:.3f})")
             return result["success"]
         return heldout_accuracy(model, trainer.processing_class, dataset, reward_fn=reward_fn,
                                 max_new_tokens=cfg.credit_args.heldout_max_new_tokens)
