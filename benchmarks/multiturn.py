@@ -122,7 +122,8 @@ def feedback_fields(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_feedback(out: Path) -> list[str]:
     """Add `feedback_use` before and after to finished runs that predate it, from the LoRA adapter each run saved
-    in its ``output_dir`` (the base model for "before"). Returns one line per run: measured, or why not."""
+    in its ``output_dir`` (the base model for "before"), and their median step time from the ``metrics.json``
+    there. Returns one line per run: measured, or why not."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,6 +136,10 @@ def measure_feedback(out: Path) -> list[str]:
     for path in sorted((out / "runs").glob("*/seed*.json")):
         run = json.loads(path.read_text())
         folder = Path(run["config"]["output_dir"])
+        if not run.get("median_step_seconds") and (folder / "metrics.json").exists():
+            history = json.loads((folder / "metrics.json").read_text()).get("log_history", [])
+            run["median_step_seconds"] = median_step_seconds([h for h in history if "loss" in h])
+            path.write_text(json.dumps(run, indent=1) + "\n")
         if "feedback_after" in run:
             continue
         if not (folder / "adapter_model.safetensors").exists():
@@ -261,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default=str(ROOT / "runs" / "multiturn"))
     parser.add_argument("--report", action="store_true", help="train nothing: write the table into docs/results.md")
     parser.add_argument("--feedback", action="store_true", help="train nothing: measure `feedback_use` on the "
-                        "saved adapters of finished runs that predate it, then report")
+                        "saved adapters of finished runs that predate it (and their median step time), then report")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "results.md"))
     args = parser.parse_args(argv)
     out, work = Path(args.out), Path(args.work)

@@ -106,6 +106,7 @@ def test_feedback_is_measured_from_the_saved_adapter_of_a_run_that_predates_it(m
     folder = tmp_path / "work" / "out"
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()), LoraConfig(r=2, target_modules="all-linear"))
     model.save_pretrained(folder)
+    (folder / "metrics.json").write_text(json.dumps({"log_history": [{"loss": 0.1, "step_time": t} for t in (3.0, 90.0, 4.0)]}))
     config = {"model_name_or_path": tiny_model_path(), "dataset_name": "guess:eval_n=3,turn_tokens=3",
               "heldout_samples": 2, "output_dir": str(folder)}
     for label, seed, out_dir in (("grpo", 0, folder), ("salt", 0, tmp_path / "gone")):
@@ -117,4 +118,5 @@ def test_feedback_is_measured_from_the_saved_adapter_of_a_run_that_predates_it(m
     run = json.loads(mt.result_path(tmp_path, "grpo", 0).read_text())
     assert run["feedback_before"]["games"] == run["feedback_after"]["games"] == 2  # heldout_samples of eval_n
     assert run["feedback_after"]["follows"] == 0.0  # a random model writes no numbers
+    assert run["median_step_seconds"] == 4.0  # from the run's metrics.json
     assert mt.measure_feedback(tmp_path) == [line for line in lines if "no adapter" in line]  # measured once
