@@ -124,6 +124,29 @@ def measure_feedback(out: Path) -> list[str]:
     """Add `feedback_use` before and after to finished runs that predate it, from the LoRA adapter each run saved
     in its ``output_dir`` (the base model for "before"), and their median step time from the ``metrics.json``
     there. Returns one line per run: measured, or why not."""
+    lines: list[str] = []
+    bases: dict[tuple, dict[str, Any]] = {}
+    for path in sorted((out / "runs").glob("*/seed*.json")):
+        run = json.loads(path.read_text())
+        before = dict(run)
+        folder = Path(run["config"]["output_dir"])
+        if not run.get("median_step_seconds") and (folder / "metrics.json").exists():
+            history = json.loads((folder / "metrics.json").read_text()).get("log_history", [])
+            run["median_step_seconds"] = median_step_seconds([h for h in history if "loss" in h])
+        if "feedback_after" not in run:
+            if (folder / "adapter_model.safetensors").exists():
+                _measure(run, folder, bases)
+                lines.append(f"{path.parent.name}/{path.name}: follows {run['feedback_after']['follows']:.3f}")
+            else:
+                lines.append(f"{path.parent.name}/{path.name}: no adapter in {folder}: not measured")
+        if run != before:
+            path.write_text(json.dumps(run, indent=1) + "\n")
+    return lines
+
+
+def _measure(run: dict[str, Any], folder: Path, bases: dict[tuple, dict[str, Any]]) -> None:
+    """``run``'s `feedback_use` before (its base model, measured once per model and held-out set in ``bases``) and
+    after (the adapter in ``folder``), on the held-out games its config evaluated."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,36 +155,19 @@ def measure_feedback(out: Path) -> list[str]:
     from trl_credit.app.guess import feedback_use, rollout_options
     from trl_credit.app.models import resolve_model
 
-    lines, bases = [], {}
-    for path in sorted((out / "runs").glob("*/seed*.json")):
-        run = json.loads(path.read_text())
-        folder = Path(run["config"]["output_dir"])
-        if not run.get("median_step_seconds") and (folder / "metrics.json").exists():
-            history = json.loads((folder / "metrics.json").read_text()).get("log_history", [])
-            run["median_step_seconds"] = median_step_seconds([h for h in history if "loss" in h])
-            path.write_text(json.dumps(run, indent=1) + "\n")
-        if "feedback_after" in run:
-            continue
-        if not (folder / "adapter_model.safetensors").exists():
-            lines.append(f"{path.parent.name}/{path.name}: no adapter in {folder}: not measured")
-            continue
-        config = run["config"]
-        name = resolve_model(str(config["model_name_or_path"]))
-        spec = str(config["dataset_name"])
-        turn_tokens = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))["turn_tokens"]
-        heldout = load_train_eval(spec)[1]
-        heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
-        key = (name, spec, len(heldout))
-        if key not in bases:
-            bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
-        model = PeftModel.from_pretrained(base, str(folder)).eval()
-        run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout,
-                                                                           turn_tokens=turn_tokens))
-        path.write_text(json.dumps(run, indent=1) + "\n")
-        lines.append(f"{path.parent.name}/{path.name}: follows {run['feedback_after']['follows']:.3f}")
-    return lines
+    config = run["config"]
+    name = resolve_model(str(config["model_name_or_path"]))
+    spec = str(config["dataset_name"])
+    turn_tokens = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))["turn_tokens"]
+    heldout = load_train_eval(spec)[1]
+    heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()  # fresh: PEFT wraps it in place
+    key = (name, spec, len(heldout))
+    if key not in bases:
+        bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout, turn_tokens=turn_tokens))
 
 
 def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:

@@ -39,7 +39,7 @@ def last_number(text: str) -> Decimal | None:
 
 def answer_prefix(cue: str) -> str:
     """The part of a probe cue that is scored with the sampled answer: the text after the cue's last ``</think>``,
-    leading whitespace stripped (``"\n</think>\nThe final answer is"`` -> ``"The final answer is"``).
+    leading whitespace stripped (``"\\n</think>\\nThe final answer is"`` -> ``"The final answer is"``).
 
     A forced answer (MRT, TACO) is sampled after ``prefix + cue`` but judged as a completion of its own: the
     reward functions then see ``answer_prefix(cue) + answer``, the answer with the words that introduce it.

@@ -92,9 +92,9 @@ def group_normalise(x, pool, num_generations: int, mode: str = "group"):
     m = pool.reshape(-1, num_generations * (x[0].numel() if x.dim() > 1 else 1)).to(x.dtype)
     values = torch.where(m > 0, x.reshape(m.shape), torch.zeros((), dtype=x.dtype))
     if mode == "none":
-        return (values * m).reshape(shape)
+        return values.reshape(shape)
     count = m.sum(1, keepdim=True).clamp(min=1)
-    out = values - (values * m).sum(1, keepdim=True) / count
+    out = values - values.sum(1, keepdim=True) / count
     if mode == "group":
         sigma = ((out ** 2 * m).sum(1, keepdim=True) / count).sqrt()
         out = out / torch.where(sigma < 1e-6, 1.0, sigma + 1e-6)

@@ -20,7 +20,7 @@ import random
 import re
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
+__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "guess_of", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
            "target_of"]
 
 #: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
@@ -117,6 +117,14 @@ def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8
     return {"success": sum(solved) / n, "turns": sum(turns) / n}
 
 
+def guess_of(text: str) -> int | None:
+    """The guess a model turn makes: the last whole number in its text, or None."""
+    from trl_credit.answers import last_number
+
+    value = last_number(text)
+    return int(value) if value is not None and value == value.to_integral_value() else None
+
+
 def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16
                  ) -> dict[str, float | int]:
     """Does greedy play read the feedback? A counterfactual test on each game: the model's first guess ``g1``, then
@@ -130,11 +138,8 @@ def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8,
 
     Greedy success alone cannot tell a sweep from feedback use: on 1..6 in 3 turns the sweep "1, 2, 3" wins 0.625.
     """
-    from trl_credit.answers import last_number
-
     def number(ids: list[int]) -> int | None:
-        value = last_number(tokenizer.decode(ids, skip_special_tokens=True))
-        return int(value) if value is not None and value == value.to_integral_value() else None
+        return guess_of(tokenizer.decode(ids, skip_special_tokens=True))
 
     rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True)
     eos = tokenizer.eos_token_id
@@ -184,8 +189,6 @@ class GuessRollout:
         self.max_new_tokens, self.greedy = max_new_tokens, greedy
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
-        from trl_credit.answers import last_number
-
         tok = trainer.processing_class
         model = trainer.accelerator.unwrap_model(trainer.model)
         eos = tok.eos_token_id
@@ -216,8 +219,7 @@ class GuessRollout:
                     completion[i] += ids
                     env_mask[i] += [1] * (len(ids) - 1) + [0 if forced else 1]
                     text = tok.decode(ids, skip_special_tokens=True)
-                    value = last_number(text)
-                    guess = int(value) if value is not None and value == value.to_integral_value() else None
+                    guess = guess_of(text)
                     distance[i].append(None if guess is None else float(distance_of(guess, secrets[i], games[i][1])))
                     messages[i].append({"role": "assistant", "content": text})
                     if guess == secrets[i]:
