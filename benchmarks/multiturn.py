@@ -194,11 +194,12 @@ def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any
 
 
 def step_cell(runs: list[dict[str, Any]]) -> str:
-    """Mean over seeds of the median step time, over the runs that recorded it; when none did (runs from before
-    it was recorded), the mean step time, marked * (it includes whatever else ran on the machine)."""
+    """Median over seeds of each run's median step time, over the runs that recorded it (one run that shared the
+    machine with another job for its whole length moves neither); when none did (runs from before it was
+    recorded), the mean step time, marked * (it includes whatever else ran on the machine)."""
     medians = [r["median_step_seconds"] for r in runs if r.get("median_step_seconds")]
     if medians:
-        return f"{statistics.mean(medians):.1f}"
+        return f"{statistics.median(medians):.1f}"
     return f"{statistics.mean(r['seconds_per_step'] for r in runs):.1f}*"
 
 

@@ -58,11 +58,15 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     # sampled training success: mean over seeds 0.3, 0.4, 1.0 = 0.567; paired deltas +0.2, +0.2 (no spread)
     # s/step: runs without a median step time count their mean, marked *
     assert "| 25.0* | 0.75x | 0.567 | +0.200 ± 0.000 |" in row
-    for seed, median in ((0, 20.0), (1, 40.0)):  # seed 2 without one: left out of the mean
+    for seed, median in ((0, 20.0), (1, 40.0)):  # seed 2 without one: left out
         path = mt.result_path(tmp_path, "salt", seed)
         path.write_text(json.dumps({**json.loads(path.read_text()), "median_step_seconds": median}))
     row = next(line for line in mt.report(tmp_path).splitlines() if line.startswith("| `salt`"))
     assert "| 30.0 | 0.75x |" in row
+    path = mt.result_path(tmp_path, "salt", 2)  # a run slowed for its whole length moves the median, not to 186
+    path.write_text(json.dumps({**json.loads(path.read_text()), "median_step_seconds": 186.0}))
+    row = next(line for line in mt.report(tmp_path).splitlines() if line.startswith("| `salt`"))
+    assert "| 40.0 | 0.75x |" in row
     assert "| `empg` | 0 |" in table and "not run yet" in table
 
 
