@@ -3,7 +3,8 @@
 Every run is `examples/multiturn.yaml` (guess 1..6 in 3 turns on the embedded model, LoRA, 20 steps) with
 its seed and, for a plugin, that plugin's entry added. It measures greedy held-out success and the turns per
 game, before and after training. Each run stores one JSON under ``benchmarks/results/multiturn/guess-<max>x<turns>/runs/``, and a
-finished run is skipped, so the grid resumes where it stopped. ``--report`` writes the table into
+finished run is skipped, so the grid resumes where it stopped. The runs evaluate only after training: "before" is
+the base model's play, the same for every run, measured once into ``base.json`` there. ``--report`` writes the table into
 docs/results.md (between its markers) from the runs finished so far, with paired differences against GRPO
 on the same seeds.
 
@@ -86,7 +87,7 @@ def result_path(out: Path, label: str, seed: int) -> Path:
 
 def config_of(label: str, seed: int, output_dir: str) -> dict[str, Any]:
     config = yaml.safe_load(EXAMPLE.read_text())
-    config.update({"seed": seed, "output_dir": output_dir, "plugins": VARIANTS[label]})
+    config.update({"seed": seed, "output_dir": output_dir, "plugins": VARIANTS[label], "heldout_before": False})
     return config
 
 
@@ -110,14 +111,8 @@ def run_one(label: str, seed: int, out: Path, work: Path) -> dict[str, Any]:
     path = folder / "config.yaml"
     config = config_of(label, seed, str(folder / "out"))
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return record(label, seed, config, train(str(path)), out)
-
-
-def feedback_fields(evaluations: list[dict[str, Any]]) -> dict[str, Any]:
-    """`feedback_use` before and after training (the first and the last held-out evaluation), when recorded."""
-    if not evaluations:
-        return {}
-    return {"feedback_before": evaluations[0], "feedback_after": evaluations[-1]}
+    base = base_play(out, config)  # before training: the same for every run (see base_play)
+    return record(label, seed, config, train(str(path)), out, base)
 
 
 def measure_feedback(out: Path) -> list[str]:
@@ -147,27 +142,53 @@ def measure_feedback(out: Path) -> list[str]:
 def _measure(run: dict[str, Any], folder: Path, bases: dict[tuple, dict[str, Any]]) -> None:
     """``run``'s `feedback_use` before (its base model, measured once per model and held-out set in ``bases``) and
     after (the adapter in ``folder``), on the held-out games its config evaluated."""
-    import torch
     from peft import PeftModel
+
+    from trl_credit.app.guess import feedback_use
+
+    base, tokenizer, heldout, turn_tokens, key = _load(run["config"])
+    if key not in bases:
+        bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
+    model = PeftModel.from_pretrained(base, str(folder)).eval()
+    run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout, turn_tokens=turn_tokens))
+
+
+def _load(config: dict[str, Any]) -> tuple[Any, Any, Any, int, tuple]:
+    """A run config's base model (fresh: PEFT wraps it in place), tokenizer, held-out games and turn length, and
+    the key that names them (model, dataset, number of held-out games)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_credit.app.data import load_train_eval, parse_arithmetic_spec
-    from trl_credit.app.guess import feedback_use, rollout_options
+    from trl_credit.app.guess import rollout_options
     from trl_credit.app.models import resolve_model
 
-    config = run["config"]
     name = resolve_model(str(config["model_name_or_path"]))
     spec = str(config["dataset_name"])
     turn_tokens = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))["turn_tokens"]
     heldout = load_train_eval(spec)[1]
     heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()  # fresh: PEFT wraps it in place
-    key = (name, spec, len(heldout))
-    if key not in bases:
-        bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
-    model = PeftModel.from_pretrained(base, str(folder)).eval()
-    run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout, turn_tokens=turn_tokens))
+    base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    return base, AutoTokenizer.from_pretrained(name), heldout, turn_tokens, (name, spec, len(heldout))
+
+
+def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The base model's greedy held-out play: ``success``, ``turns`` and ``feedback`` (`feedback_use`), measured once
+    per model and held-out set and kept in ``out/base.json``. It is every run's "before", whatever its seed or
+    plugin: LoRA starts as the identity and greedy decoding is deterministic, so the runs skip that evaluation
+    (``heldout_before: false``; about 70-85 s each here)."""
+    path = out / "base.json"
+    key = [str(config["model_name_or_path"]), str(config["dataset_name"]), config.get("heldout_samples")]
+    if path.exists() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())
+    from trl_credit.app.guess import feedback_use, guess_success
+
+    base, tokenizer, heldout, turn_tokens, _ = _load(config)
+    play = {"key": key, **guess_success(base, tokenizer, heldout, turn_tokens=turn_tokens),
+            "feedback": feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(play, indent=1) + "\n")
+    return play
 
 
 def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
@@ -176,15 +197,21 @@ def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(times), 2) if times else None
 
 
-def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Store one finished run (``metrics``: what `train` returns, or its ``metrics.json``) as the grid's result."""
+def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path,
+           base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Store one finished run (``metrics``: what `train` returns, or its ``metrics.json``) as the grid's result.
+    With ``base`` (`base_play`) the run evaluated only after training, and "before" is the base model's play."""
     steps = [h for h in metrics["log_history"] if "loss" in h]
+    feedback = metrics.get("heldout_feedback") or []  # one `feedback_use` per held-out evaluation, when recorded
+    if base is None:  # the run evaluated before training too
+        base = {"success": metrics["heldout_accuracy_before"], "turns": metrics["heldout_turns"][0],
+                "feedback": feedback[0] if feedback else None}
     result = {"label": label, "seed": seed, "plugins": VARIANTS[label], "config": config,
-              "before": metrics["heldout_accuracy_before"], "after": metrics["heldout_accuracy_after"],
-              "turns_before": metrics["heldout_turns"][0], "turns_after": metrics["heldout_turns"][-1],
+              "before": base["success"], "after": metrics["heldout_accuracy_after"],
+              "turns_before": base["turns"], "turns_after": metrics["heldout_turns"][-1],
               "seconds_per_step": metrics["seconds_per_step"], "steps": len(steps),
               "median_step_seconds": median_step_seconds(steps),
-              **feedback_fields(metrics.get("heldout_feedback") or []),
+              **({"feedback_before": base["feedback"], "feedback_after": feedback[-1]} if feedback else {}),
               "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps],
               "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]])}
     target = result_path(out, label, seed)

@@ -29,8 +29,9 @@ def test_every_variant_is_the_example_plus_its_plugin_and_validates(mt, tmp_path
     for label, plugins in mt.VARIANTS.items():
         config = mt.config_of(label, 2, str(tmp_path / "out"))
         assert config["plugins"] == plugins and config["seed"] == 2
-        assert {k: v for k, v in config.items() if k not in ("plugins", "seed", "output_dir")} == \
-            {k: v for k, v in example.items() if k not in ("plugins", "seed", "output_dir")}
+        assert config["heldout_before"] is False  # "before" is the base model's play (base_play), measured once
+        own = ("plugins", "seed", "output_dir", "heldout_before")
+        assert {k: v for k, v in config.items() if k not in own} == {k: v for k, v in example.items() if k not in own}
         path = tmp_path / f"{label}.yaml"
         path.write_text(yaml.safe_dump(config))
         validate(str(path))  # raises ConfigError on a bad option or a per-turn column the game does not record
@@ -124,3 +125,30 @@ def test_feedback_is_measured_from_the_saved_adapter_of_a_run_that_predates_it(m
     assert run["feedback_after"]["follows"] == 0.0  # a random model writes no numbers
     assert run["median_step_seconds"] == 4.0  # from the run's metrics.json
     assert mt.measure_feedback(tmp_path) == [line for line in lines if "no adapter" in line]  # measured once
+
+
+def test_before_is_the_base_models_play_measured_once_and_every_run_records_it(mt, tmp_path, monkeypatch):
+    from trl_credit.testing.tiny import tiny_model_path
+
+    config = {"model_name_or_path": tiny_model_path(), "dataset_name": "guess:eval_n=3,turn_tokens=3",
+              "heldout_samples": 2}
+    play = mt.base_play(tmp_path, config)
+    assert play["success"] == 0.0 and play["turns"] == 3.0  # a random model writes no numbers: every game lost
+    assert play["feedback"] == {"follows": 0.0, "changes": 0.0, "games": 2}
+    monkeypatch.setattr(mt, "_load", lambda config: pytest.fail("measured again"))
+    assert mt.base_play(tmp_path, config) == play  # kept in base.json
+    with pytest.raises(pytest.fail.Exception):  # another held-out set is measured anew
+        mt.base_play(tmp_path, {**config, "heldout_samples": 3})
+    after = {"follows": 0.5, "changes": 1.0, "games": 2}
+    metrics = {"log_history": [{"loss": 0.1, "step_time": 2.0, "rewards/guess_reward/mean": 0.5}],
+               "heldout_accuracy_after": 0.5, "heldout_turns": [2.5], "heldout_feedback": [after],
+               "seconds_per_step": 2.0}
+    run = mt.record("grpo", 0, config, metrics, tmp_path, play)
+    assert (run["before"], run["turns_before"], run["after"], run["turns_after"]) == (0.0, 3.0, 0.5, 2.5)
+    assert run["feedback_before"] == play["feedback"] and run["feedback_after"] == after
+    assert json.loads(mt.result_path(tmp_path, "grpo", 0).read_text()) == run
+    # a run that evaluated before training itself (the grid's first runs) keeps its own "before"
+    early = {**metrics, "heldout_accuracy_before": 0.25, "heldout_turns": [2.75, 2.5],
+             "heldout_feedback": [{"follows": 0.0, "changes": 0.5, "games": 2}, after]}
+    run = mt.record("grpo", 1, config, early, tmp_path)
+    assert (run["before"], run["turns_before"], run["feedback_before"]["changes"]) == (0.25, 2.75, 0.5)
