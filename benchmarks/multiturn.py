@@ -11,6 +11,7 @@ on the same seeds.
     python benchmarks/multiturn.py --seeds 3                      # GRPO and every plugin below, 3 seeds
     python benchmarks/multiturn.py --variants grpo,progress_potential --seeds 0,1
     python benchmarks/multiturn.py --report
+    python benchmarks/multiturn.py --play runs/multiturn/salt/seed0/out   # what a trained policy says, game by game
 """
 
 from __future__ import annotations
@@ -191,6 +192,42 @@ def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
     return play
 
 
+def greedy_play(folder: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the policy saved in ``folder`` (a LoRA adapter; none: the base model) says in each held-out game of
+    ``config``, played greedily as the held-out evaluation plays it: per game its ``secret``, the text of each
+    model ``turns`` (the guess is the last whole number in it) and whether it was ``solved``."""
+    from itertools import groupby
+    from types import SimpleNamespace
+
+    from trl_credit.app.guess import GuessRollout, parse_game, target_of
+
+    model, tokenizer, heldout, turn_tokens, _ = _load(config)
+    if (folder / "adapter_model.safetensors").exists():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(folder)).eval()
+    holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
+                             accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    prompts = list(heldout["prompt"])
+    out = GuessRollout(max_new_tokens=turn_tokens, greedy=True)(prompts, holder)
+    games = []
+    for prompt, ids, mask, solved in zip(prompts, out["completion_ids"], out["env_mask"], out["guess_solved"]):
+        runs = groupby(zip(ids, mask), key=lambda pair: pair[1])  # alternating model turns (1) and replies (0)
+        turns = [tokenizer.decode([i for i, _ in run], skip_special_tokens=True).strip() for own, run in runs if own]
+        game, max_value, _ = parse_game(prompt)
+        games.append({"secret": target_of(game, max_value), "turns": turns, "solved": bool(solved)})
+    return games
+
+
+def play_lines(games: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct (secret, turns, solved), most frequent first: ``count x secret k: t1 | t2 | t3 (won)``."""
+    from collections import Counter
+
+    counts = Counter((g["secret"], tuple(g["turns"]), g["solved"]) for g in games)
+    return [f"{n} x secret {secret}: {' | '.join(turns)} ({'won' if solved else 'lost'})"
+            for (secret, turns, solved), n in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1]))]
+
+
 def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
     """Median of TRL's per-step ``step_time``: unlike the mean, a few steps slowed by another job barely move it."""
     times = [h["step_time"] for h in steps if isinstance(h.get("step_time"), (int, float))]
@@ -301,9 +338,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="train nothing: write the table into docs/results.md")
     parser.add_argument("--feedback", action="store_true", help="train nothing: measure `feedback_use` on the "
                         "saved adapters of finished runs that predate it (and their median step time), then report")
+    parser.add_argument("--play", metavar="OUTPUT_DIR", help="train nothing: print what the adapter a run saved in "
+                        "OUTPUT_DIR says in each held-out game (greedy); a folder without one: the base model")
     parser.add_argument("--docs", default=str(ROOT / "docs" / "results.md"))
     args = parser.parse_args(argv)
     out, work = Path(args.out), Path(args.work)
+    if args.play:
+        print("\n".join(play_lines(greedy_play(Path(args.play), config_of("grpo", 0, args.play)))))
+        return
     if args.feedback:
         print("\n".join(measure_feedback(out)))
     elif not args.report:

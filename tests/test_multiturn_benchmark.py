@@ -152,3 +152,15 @@ def test_before_is_the_base_models_play_measured_once_and_every_run_records_it(m
              "heldout_feedback": [{"follows": 0.0, "changes": 0.5, "games": 2}, after]}
     run = mt.record("grpo", 1, config, early, tmp_path)
     assert (run["before"], run["turns_before"], run["feedback_before"]["changes"]) == (0.25, 2.75, 0.5)
+
+
+def test_play_shows_each_held_out_game_turn_by_turn(mt, tmp_path):
+    from trl_credit.testing.tiny import tiny_model_path
+
+    config = {"model_name_or_path": tiny_model_path(), "dataset_name": "guess:eval_n=3,turn_tokens=3,turns=2",
+              "heldout_samples": 3}
+    games = mt.greedy_play(tmp_path, config)  # no adapter there: the base model
+    assert [len(g["turns"]) for g in games] == [2, 2, 2] and not any(g["solved"] for g in games)
+    assert all(1 <= g["secret"] <= 5 for g in games)  # guess's default max_value
+    lines = mt.play_lines(games + [{"secret": 9, "turns": ["1.", "2."], "solved": True}] * 2)
+    assert lines[-1] == "2 x secret 9: 1. | 2. (won)" and sum(int(line.split(" x ")[0]) for line in lines) == 5
