@@ -147,16 +147,17 @@ def _measure(run: dict[str, Any], folder: Path, bases: dict[tuple, dict[str, Any
 
     from trl_credit.app.guess import feedback_use
 
-    base, tokenizer, heldout, turn_tokens, key = _load(run["config"])
+    base, tokenizer, heldout, game, key = _load(run["config"])
     if key not in bases:
-        bases[key] = feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)
+        bases[key] = feedback_use(base, tokenizer, heldout, **game)
     model = PeftModel.from_pretrained(base, str(folder)).eval()
-    run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout, turn_tokens=turn_tokens))
+    run.update(feedback_before=bases[key], feedback_after=feedback_use(model, tokenizer, heldout, **game))
 
 
-def _load(config: dict[str, Any]) -> tuple[Any, Any, Any, int, tuple]:
-    """A run config's base model (fresh: PEFT wraps it in place), tokenizer, held-out games and turn length, and
-    the key that names them (model, dataset, number of held-out games)."""
+def _load(config: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any], tuple]:
+    """A run config's base model (fresh: PEFT wraps it in place), tokenizer, held-out games and the game's rollout
+    options (`rollout_options`: turn length, strict), and the key that names them (model, dataset, number of
+    held-out games)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -166,11 +167,11 @@ def _load(config: dict[str, Any]) -> tuple[Any, Any, Any, int, tuple]:
 
     name = resolve_model(str(config["model_name_or_path"]))
     spec = str(config["dataset_name"])
-    turn_tokens = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))["turn_tokens"]
+    game = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))
     heldout = load_train_eval(spec)[1]
     heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
     base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
-    return base, AutoTokenizer.from_pretrained(name), heldout, turn_tokens, (name, spec, len(heldout))
+    return base, AutoTokenizer.from_pretrained(name), heldout, game, (name, spec, len(heldout))
 
 
 def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -184,9 +185,9 @@ def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
         return json.loads(path.read_text())
     from trl_credit.app.guess import feedback_use, guess_success
 
-    base, tokenizer, heldout, turn_tokens, _ = _load(config)
-    play = {"key": key, **guess_success(base, tokenizer, heldout, turn_tokens=turn_tokens),
-            "feedback": feedback_use(base, tokenizer, heldout, turn_tokens=turn_tokens)}
+    base, tokenizer, heldout, game, _ = _load(config)
+    play = {"key": key, **guess_success(base, tokenizer, heldout, **game),
+            "feedback": feedback_use(base, tokenizer, heldout, **game)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(play, indent=1) + "\n")
     return play
@@ -195,13 +196,13 @@ def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
 def greedy_play(folder: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
     """What the policy saved in ``folder`` (a LoRA adapter; none: the base model) says in each held-out game of
     ``config``, played greedily as the held-out evaluation plays it: per game its ``secret``, the text of each
-    model ``turns`` (the guess is the last whole number in it) and whether it was ``solved``."""
+    model ``turns`` (its guess: `trl_credit.app.guess.guess_of`) and whether it was ``solved``."""
     from itertools import groupby
     from types import SimpleNamespace
 
     from trl_credit.app.guess import GuessRollout, parse_game, target_of
 
-    model, tokenizer, heldout, turn_tokens, _ = _load(config)
+    model, tokenizer, heldout, options, _ = _load(config)
     if (folder / "adapter_model.safetensors").exists():
         from peft import PeftModel
 
@@ -209,7 +210,7 @@ def greedy_play(folder: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
     holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
                              accelerator=SimpleNamespace(unwrap_model=lambda m: m))
     prompts = list(heldout["prompt"])
-    out = GuessRollout(max_new_tokens=turn_tokens, greedy=True)(prompts, holder)
+    out = GuessRollout(max_new_tokens=options["turn_tokens"], greedy=True, strict=options["strict"])(prompts, holder)
     games = []
     for prompt, ids, mask, solved in zip(prompts, out["completion_ids"], out["env_mask"], out["guess_solved"]):
         runs = groupby(zip(ids, mask), key=lambda pair: pair[1])  # alternating model turns (1) and replies (0)

@@ -116,10 +116,10 @@ class ScriptedGuesser:
     """A stand-in for a causal LM's ``generate``: reads the last guess and reply in each context and writes the
     next guess by ``policy(last_guess, reply)`` (None before the first guess), then the end-of-turn token."""
 
-    def __init__(self, tokenizer, policy):
+    def __init__(self, tokenizer, policy, template="{}"):
         import torch
 
-        self.tok, self.policy, self.training = tokenizer, policy, False
+        self.tok, self.policy, self.template, self.training = tokenizer, policy, template, False
         self._p = torch.nn.Parameter(torch.zeros(1))
 
     def parameters(self):
@@ -143,7 +143,7 @@ class ScriptedGuesser:
             guesses = re.findall(r"assistant\n(\d+)", text)
             replies = re.findall(r"user\n(Higher|Lower)\.", text)
             guess = self.policy(int(guesses[-1]) if guesses else None, replies[-1] if replies else None)
-            new = self.tok(str(guess), add_special_tokens=False)["input_ids"] + [eos_token_id]
+            new = self.tok(self.template.format(guess), add_special_tokens=False)["input_ids"] + [eos_token_id]
             rows.append(ids + new + [pad_token_id] * (max_new_tokens - len(new)))
         return torch.tensor(rows)
 
@@ -161,3 +161,44 @@ def test_feedback_use_tells_a_sweep_from_halving(policy, follows, changes):
     held = make_guess(5, seed=1, max_value=6, turns=3)
     result = feedback_use(ScriptedGuesser(tok, policy), tok, held, turn_tokens=4, batch_size=2)
     assert result == {"follows": follows, "changes": changes, "games": 5}
+
+
+def test_strict_play_counts_only_a_turn_that_is_just_the_number():
+    """The embedded model learns to enumerate ("1. I am thinking of", "2. ..."): read leniently that is the sweep
+    1, 2, 3; with ``strict`` no turn guesses and every game is lost."""
+    from trl_credit.app.guess import guess_of, guess_success, rollout_options
+    from trl_credit.testing.tiny import tiny_tokenizer
+
+    assert guess_of("2. I am thinking of") == 2 and guess_of("2. I am thinking of", strict=True) is None
+    assert [guess_of(t, strict=True) for t in ("4", " 4.\n", "4 or 5", "four", "")] == [4, 4, None, None, None]
+    assert rollout_options({}) == {"turn_tokens": 8, "strict": False}
+    assert rollout_options({"strict": True, "turn_tokens": 6}) == {"turn_tokens": 6, "strict": True}
+    with pytest.raises(ValueError, match="strict must be true or false"):
+        rollout_options({"strict": "maybe"})
+    tok = tiny_tokenizer()
+    held = make_guess(12, seed=1, max_value=6, turns=3)
+    secrets = [int(a) for a in held["answer"]]
+    won = [s for s in secrets if s <= 3]  # the sweep 1, 2, 3 wins these, in s turns
+    sweep = lambda g, r: 1 if g is None else g + 1  # noqa: E731
+    lenient = guess_success(ScriptedGuesser(tok, sweep, "{}. I"), tok, held, turn_tokens=4, batch_size=5)
+    assert lenient == {"success": len(won) / 12, "turns": (sum(won) + 3 * (12 - len(won))) / 12}
+    strict = guess_success(ScriptedGuesser(tok, sweep, "{}. I"), tok, held, turn_tokens=4, batch_size=5, strict=True)
+    assert strict == {"success": 0.0, "turns": 3.0}
+    bare = guess_success(ScriptedGuesser(tok, sweep), tok, held, turn_tokens=4, batch_size=5, strict=True)
+    assert bare == lenient  # a bare number is a guess either way
+
+
+def test_validate_names_a_bad_strict_before_any_model_loads(tmp_path):
+    from trl_credit.app.train_command import validate
+    from trl_credit.config import ConfigError
+    from trl_credit.testing.tiny import tiny_model_path
+
+    path = tmp_path / "run.yaml"
+    for value, ok in (("true", True), ("maybe", False)):
+        path.write_text(f"model_name_or_path: {tiny_model_path()}\ndataset_name: guess:n=16,eval_n=4,strict={value}\n"
+                        "per_device_train_batch_size: 8\nnum_generations: 4\noutput_dir: out\nuse_cpu: true\n")
+        if ok:
+            validate(str(path))
+        else:
+            with pytest.raises(ConfigError, match=r"dataset 'guess:n=16,eval_n=4,strict=maybe': guess: strict must be true"):
+                validate(str(path))

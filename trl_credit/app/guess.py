@@ -26,7 +26,8 @@ __all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "gue
 #: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
 ROLLOUT_FIELDS = ("guess_solved", "guess_distance", "guess_turns")
 #: ``guess:`` options that shape the rollout rather than the dataset
-ROLLOUT_OPTIONS = {"turn_tokens": 8}
+ROLLOUT_OPTIONS = {"turn_tokens": 8, "strict": False}
+_BARE = re.compile(r"\s*(\d+)\.?\s*")  # a turn that is just a whole number (a closing period allowed)
 
 _PROMPT = ("Game {game}: I am thinking of a whole number from 1 to {max_value}. You have {turns} guesses. "
            "Answer with just the number you guess; after each guess I say higher or lower.")
@@ -73,7 +74,7 @@ def make_guess(n: int = 1000, seed: int = 0, max_value: int = 5, turns: int = 3,
 def guess_splits(options: dict[str, Any]) -> tuple[Any, Any]:
     """``(train, eval)`` for ``dataset_name: guess:key=value,...``: ``n`` (1000), ``max_value`` (5), ``turns``
     (3), ``seed`` (0), ``eval_n`` (50), ``eval_seed`` (seed + 1); held-out games never occur in train.
-    ``turn_tokens`` (8, tokens per model turn) belongs to the rollout (`rollout_options`)."""
+    ``turn_tokens`` and ``strict`` belong to the rollout (`rollout_options`)."""
     options = {k: v for k, v in options.items() if k not in ROLLOUT_OPTIONS}
     known = {"n", "max_value", "turns", "seed", "eval_n", "eval_seed"}
     unknown = set(options) - known
@@ -90,22 +91,27 @@ def guess_splits(options: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def rollout_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The rollout's options from a ``guess:`` spec (defaults filled in), validated."""
-    out = {k: int(options.get(k, v)) for k, v in ROLLOUT_OPTIONS.items()}
+    """The rollout's options from a ``guess:`` spec (defaults filled in), validated: ``turn_tokens`` (8, tokens per
+    model turn) and ``strict`` (false; true: a turn's guess counts only when the turn is just the number, see
+    `guess_of`)."""
+    strict = options.get("strict", ROLLOUT_OPTIONS["strict"])
+    if strict not in (True, False, 0, 1):
+        raise ValueError(f"guess: strict must be true or false, got {strict!r}")
+    out = {"turn_tokens": int(options.get("turn_tokens", ROLLOUT_OPTIONS["turn_tokens"])), "strict": bool(strict)}
     if out["turn_tokens"] < 1:
         raise ValueError(f"guess: turn_tokens must be >= 1, got {out['turn_tokens']}")
     return out
 
 
-def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16
-                  ) -> dict[str, float]:
+def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16,
+                  strict: bool = False) -> dict[str, float]:
     """Greedy play of ``dataset``'s games: ``success`` (fraction solved) and ``turns`` (mean turns played,
     a solved game stopping at its winning guess), for held-out evaluation before and after training."""
     from types import SimpleNamespace
 
     holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
                              accelerator=SimpleNamespace(unwrap_model=lambda m: m))
-    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True)
+    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True, strict=strict)
     solved: list[float] = []
     turns: list[int] = []
     prompts = list(dataset["prompt"])
@@ -117,16 +123,21 @@ def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8
     return {"success": sum(solved) / n, "turns": sum(turns) / n}
 
 
-def guess_of(text: str) -> int | None:
-    """The guess a model turn makes: the last whole number in its text, or None."""
+def guess_of(text: str, strict: bool = False) -> int | None:
+    """The guess a model turn makes: the last whole number in its text, or None. ``strict``: only a turn that is
+    just the number (``"4"``, ``" 4.\n"``) makes one, so an enumeration such as ``"2. I am thinking of"`` does not
+    guess 2 (the prompt asks for just the number)."""
     from trl_credit.answers import last_number
 
+    if strict:
+        bare = _BARE.fullmatch(text)
+        return int(bare.group(1)) if bare else None
     value = last_number(text)
     return int(value) if value is not None and value == value.to_integral_value() else None
 
 
-def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16
-                 ) -> dict[str, float | int]:
+def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16,
+                 strict: bool = False) -> dict[str, float | int]:
     """Does greedy play read the feedback? A counterfactual test on each game: the model's first guess ``g1``, then
     its second guess after the reply "Higher." and, separately, after "Lower.".
 
@@ -139,9 +150,9 @@ def feedback_use(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8,
     Greedy success alone cannot tell a sweep from feedback use: on 1..6 in 3 turns the sweep "1, 2, 3" wins 0.625.
     """
     def number(ids: list[int]) -> int | None:
-        return guess_of(tokenizer.decode(ids, skip_special_tokens=True))
+        return guess_of(tokenizer.decode(ids, skip_special_tokens=True), strict)
 
-    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True)
+    rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True, strict=strict)
     eos = tokenizer.eos_token_id
     follows = changes = 0
     prompts = list(dataset["prompt"])
@@ -179,14 +190,14 @@ class GuessRollout:
 
     Sampling follows the trainer's ``temperature`` (``greedy=True``: greedy, for held-out evaluation); each
     model turn has at most ``max_new_tokens`` tokens and ends with the end-of-turn token (added, and marked
-    as not the model's, when the model ran out of tokens).
+    as not the model's, when the model ran out of tokens). ``strict``: see `guess_of`.
     """
 
     #: the extra fields every rollout returns (the host checks plugins' ``required_turn_values`` against them)
     fields = ROLLOUT_FIELDS
 
-    def __init__(self, max_new_tokens: int = 8, greedy: bool = False):
-        self.max_new_tokens, self.greedy = max_new_tokens, greedy
+    def __init__(self, max_new_tokens: int = 8, greedy: bool = False, strict: bool = False):
+        self.max_new_tokens, self.greedy, self.strict = max_new_tokens, greedy, strict
 
     def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
         tok = trainer.processing_class
@@ -219,7 +230,7 @@ class GuessRollout:
                     completion[i] += ids
                     env_mask[i] += [1] * (len(ids) - 1) + [0 if forced else 1]
                     text = tok.decode(ids, skip_special_tokens=True)
-                    guess = guess_of(text)
+                    guess = guess_of(text, self.strict)
                     distance[i].append(None if guess is None else float(distance_of(guess, secrets[i], games[i][1])))
                     messages[i].append({"role": "assistant", "content": text})
                     if guess == secrets[i]:

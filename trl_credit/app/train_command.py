@@ -437,7 +437,7 @@ def _rollout_func(cfg: Loaded):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
     from trl_credit.app.guess import GuessRollout
 
-    return GuessRollout(max_new_tokens=task["turn_tokens"])
+    return GuessRollout(max_new_tokens=task["turn_tokens"], strict=task["strict"])
 
 
 def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> float:
@@ -451,8 +451,8 @@ def _heldout(trainer, dataset, reward_fn, cfg: Loaded, heldout_accuracy) -> floa
         if task is not None:
             from trl_credit.app.guess import feedback_use, guess_success
 
-            result = guess_success(model, trainer.processing_class, dataset, turn_tokens=task["turn_tokens"])
-            feedback = feedback_use(model, trainer.processing_class, dataset, turn_tokens=task["turn_tokens"])
+            result = guess_success(model, trainer.processing_class, dataset, **task)
+            feedback = feedback_use(model, trainer.processing_class, dataset, **task)
             trainer.trl_credit_heldout_turns = getattr(trainer, "trl_credit_heldout_turns", []) + [result["turns"]]
             trainer.trl_credit_heldout_feedback = getattr(trainer, "trl_credit_heldout_feedback", []) + [feedback]
             trainer.accelerator.print(f"held-out guess: success {result['success']:.3f}, "
