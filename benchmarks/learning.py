@@ -795,10 +795,14 @@ def environment() -> dict[str, Any]:
 
 # ====================================================================== main
 def parse_seeds(text: str) -> list[int]:
-    """``"3"`` -> ``[0, 1, 2]``; ``"0,4"`` -> ``[0, 4]``."""
-    if "," not in text:
-        return list(range(int(text)))
-    return [int(part) for part in text.split(",") if part.strip()]
+    """``"3"`` -> ``[0, 1, 2]``; ``"0,4"`` -> ``[0, 4]``; ``"2,"`` -> ``[2]``. A count below 1 names no seed: an error,
+    not an empty grid."""
+    if "," in text:
+        return [int(part) for part in text.split(",") if part.strip()]
+    if int(text) < 1:
+        raise SystemExit(f"--seeds {text} names no seed: a count N runs seeds 0..N-1 (--seeds 1 is seed 0 alone); "
+                         "a comma list names the seeds (--seeds 0,4 or --seeds 2,)")
+    return list(range(int(text)))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from learning import stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
+from learning import parse_seeds, stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
 
 EXAMPLE = ROOT / "examples" / "multiturn.yaml"
 
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.feedback:
         print("\n".join(measure_feedback(out)))
     elif not args.report:
-        seeds = list(range(int(args.seeds))) if "," not in args.seeds else [int(s) for s in args.seeds.split(",")]
+        seeds = parse_seeds(args.seeds)
         labels = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in labels if v not in VARIANTS]
         if unknown:

@@ -104,6 +104,9 @@ def test_statistics_on_known_values():
 def test_presets_and_seeds():
     learning = _load("learning")
     assert learning.parse_seeds("3") == [0, 1, 2] and learning.parse_seeds("0,4") == [0, 4]
+    assert learning.parse_seeds("2,") == [2]
+    with pytest.raises(SystemExit, match="--seeds 0 names no seed"):
+        learning.parse_seeds("0")  # not an empty grid that "finishes" at once
     gdpo = learning.preset_variant("gdpo")
     assert gdpo.rewards == [learning.ACC, learning.PROCESS] and gdpo.baseline == "grpo+steps@working"
     settings = learning.Settings()
