@@ -181,8 +181,9 @@ def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
     (``heldout_before: false``; about 70-85 s each here)."""
     path = out / "base.json"
     key = [str(config["model_name_or_path"]), str(config["dataset_name"]), config.get("heldout_samples")]
-    if path.exists() and json.loads(path.read_text()).get("key") == key:
-        return json.loads(path.read_text())
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    if kept.get("key") == key:
+        return kept
     from trl_credit.app.guess import feedback_use, guess_success
 
     base, tokenizer, heldout, game, _ = _load(config)
@@ -198,19 +199,16 @@ def greedy_play(folder: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
     ``config``, played greedily as the held-out evaluation plays it: per game its ``secret``, the text of each
     model ``turns`` (its guess: `trl_credit.app.guess.guess_of`) and whether it was ``solved``."""
     from itertools import groupby
-    from types import SimpleNamespace
 
-    from trl_credit.app.guess import GuessRollout, parse_game, target_of
+    from trl_credit.app.guess import greedy_games, parse_game, target_of
 
     model, tokenizer, heldout, options, _ = _load(config)
     if (folder / "adapter_model.safetensors").exists():
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(folder)).eval()
-    holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
-                             accelerator=SimpleNamespace(unwrap_model=lambda m: m))
     prompts = list(heldout["prompt"])
-    out = GuessRollout(max_new_tokens=options["turn_tokens"], greedy=True, strict=options["strict"])(prompts, holder)
+    out = greedy_games(model, tokenizer, heldout, **options)
     games = []
     for prompt, ids, mask, solved in zip(prompts, out["completion_ids"], out["env_mask"], out["guess_solved"]):
         runs = groupby(zip(ids, mask), key=lambda pair: pair[1])  # alternating model turns (1) and replies (0)

@@ -20,7 +20,7 @@ import random
 import re
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "guess_of", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
+__all__ = ["ROLLOUT_FIELDS", "GuessRollout", "distance_of", "feedback_use", "guess_of", "greedy_games", "guess_reward", "guess_splits", "guess_success", "make_guess", "parse_game",
            "target_of"]
 
 #: the fields every guess rollout adds to its rows (reward functions and `RolloutBatch.column` read them)
@@ -103,22 +103,29 @@ def rollout_options(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16,
-                  strict: bool = False) -> dict[str, float]:
-    """Greedy play of ``dataset``'s games: ``success`` (fraction solved) and ``turns`` (mean turns played,
-    a solved game stopping at its winning guess), for held-out evaluation before and after training."""
+def greedy_games(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16,
+                 strict: bool = False) -> dict[str, list]:
+    """Greedy play of ``dataset``'s games in batches of ``batch_size``, as held-out evaluation plays them: the
+    `GuessRollout` fields of every game, in order (``completion_ids``, ``env_mask``, ``guess_solved``, ...)."""
     from types import SimpleNamespace
 
     holder = SimpleNamespace(processing_class=tokenizer, model=model, temperature=1.0,
                              accelerator=SimpleNamespace(unwrap_model=lambda m: m))
     rollout = GuessRollout(max_new_tokens=turn_tokens, greedy=True, strict=strict)
-    solved: list[float] = []
-    turns: list[int] = []
+    games: dict[str, list] = {}
     prompts = list(dataset["prompt"])
     for start in range(0, len(prompts), batch_size):  # a loop over batches of games
-        out = rollout(prompts[start:start + batch_size], holder)
-        solved += out["guess_solved"]
-        turns += out["guess_turns"]
+        for key, values in rollout(prompts[start:start + batch_size], holder).items():
+            games.setdefault(key, []).extend(values)
+    return games
+
+
+def guess_success(model: Any, tokenizer: Any, dataset: Any, turn_tokens: int = 8, batch_size: int = 16,
+                  strict: bool = False) -> dict[str, float]:
+    """Greedy play of ``dataset``'s games: ``success`` (fraction solved) and ``turns`` (mean turns played,
+    a solved game stopping at its winning guess), for held-out evaluation before and after training."""
+    games = greedy_games(model, tokenizer, dataset, turn_tokens, batch_size, strict)
+    solved, turns = games.get("guess_solved", []), games.get("guess_turns", [])
     n = max(len(solved), 1)
     return {"success": sum(solved) / n, "turns": sum(turns) / n}
 
