@@ -126,6 +126,18 @@ def test_dropped_completions_get_nothing_and_leave_the_baseline():
     torch.testing.assert_close(credit, torch.tensor([1.0, 0.0, -1.0, 0.0]))  # mean of the kept [2, 0, 1] is 1
 
 
+def test_an_unscored_row_gets_nothing_and_leaves_the_baseline():
+    columns = {"turn_milestones": [[2], [4], [0], [1]]}
+    batch = make_batch([1.0, None, 1.0, 0.0], 4, completion_mask=[[1] * 8] * 4, tool_mask=[[1] * 8] * 4,
+                       columns=columns)
+    result = run_plugin(MiRA, batch, {"normalise": "mean", "bonus": 1.0})
+    plain = run_plugin(MiRA, make_batch([1.0, None, 1.0, 0.0], 4, completion_mask=[[1] * 8] * 4,
+                                        tool_mask=[[1] * 8] * 4, columns=columns), {"bonus": 0.0})
+    credit = (result.advantages - plain.advantages)[:, 0]
+    # row 1's rewards are all None (NaN): no credit, and the mean is of the scored [2, 0, 1]
+    torch.testing.assert_close(credit, torch.tensor([1.0, 0.0, -1.0, 0.0]))
+
+
 def test_a_batch_without_the_column_is_refused_by_the_host():
     assert plugin_set(MiRA, {"column": "guess_distance", "values": "distance", "thresholds": [0]}
                       ).plugins[0].members.required_turn_values == ("guess_distance",)

@@ -119,7 +119,10 @@ class MiRA(Plugin):
                              "reached (values: new / total), or use values: distance with thresholds")
         count = turns.count.to(device)
         valid = torch.arange(k, device=device).unsqueeze(0) < count.unsqueeze(1)
-        pool = valid & batch.kept.to(device).unsqueeze(1)
+        # a dropped row, or one no reward function scored (GRPO gives it 0), earns no milestone credit and leaves
+        # the group's statistics
+        scored = batch.kept & ~torch.isnan(batch.total_reward())
+        pool = valid & scored.to(device).unsqueeze(1)
         n = new_milestones(raw, valid, cfg.values, cfg.thresholds)
         b = n if cfg.credit == "turn" else discounted_returns(n, cfg.gamma)
         c = cfg.bonus * group_normalise(b, pool, batch.num_generations, cfg.normalise)

@@ -20,6 +20,7 @@ Formula (group ``g``, trajectory ``i`` with model turns ``k = 0 .. c_i - 1``, ``
                 states reached by different histories merge, the graph is a DAG)
     node(i, k) = the class of (i, k);  M = the member trajectories: kept by the filters, some reward not NaN
     aggregate "mean": A'_ik = mean_{(j, l) in node(i, k), j in M} a_jl          ("max", "min": the extreme)
+                (a mean over visits: under "step" a trajectory that takes the node's step twice counts twice)
     A'_it = A_it + (A'_ik(t) - a_ik(t))  on the tokens of turn k   (= A'_ik when the input is per sequence)
 
 Rows outside ``M`` keep their incoming advantages (the host zeroes dropped rows anyway). A single-turn batch

@@ -31,6 +31,9 @@ on the others' stopping: the ``1/n_k`` self-share shrinks turn ``k``'s term by a
 (a lone survivor gets 0), so its expectation is not the policy gradient (the tests compute both exactly).
 ``scale: batch`` divides every advantage of the batch by one positive number (their std): the direction of
 the update is kept, up to the O(1/N) dependence of that number on each row (as TRL's ``scale_rewards: batch``).
+The argument takes the loss as a sum of token terms with a divisor independent of the trajectory: exact with
+TRL's ``loss_type: dr_grpo`` (a constant), O(1/N) with ``dapo`` / ``bnpo`` (the batch's token count); ``grpo``'s
+per-row ``1 / |o_i|`` depends on i's later turns and biases every baseline (GRPO's too, Dr. GRPO's point).
 A leave-one-out std per turn would keep each term unbiased but weight turns unequally and explode where the
 others agree (binary rewards), so it is not offered.
 
