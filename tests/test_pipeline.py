@@ -102,6 +102,7 @@ def test_shaper_may_not_introduce_nan():
 def test_nan_rewards_are_kept_and_get_zero_advantage():
     result = run_plugin(fx.Passthrough, make_batch([1, None, 0, 1], num_generations=4))
     assert math.isnan(result.rewards[1, 0]) and result.advantages[1] == 0
+    assert result.batch.scorable.tolist() == [True, False, True, True]
     torch.testing.assert_close(result.advantages[[0, 2, 3]], torch.tensor([0.57729, -1.15458, 0.57729]),
                                atol=1e-4, rtol=0)
 

@@ -215,6 +215,12 @@ class RolloutBatch:
         total = (self.rewards * self.reward_weights.to(self.rewards).unsqueeze(0)).nansum(dim=1)
         return total.masked_fill(torch.isnan(self.rewards).all(dim=1), math.nan)
 
+    @property
+    def scorable(self) -> torch.Tensor:
+        """``(N,)`` bool: some reward function scored the completion (not every column NaN). An unscorable
+        completion takes no part in GRPO's baseline and gets advantage 0 from it (as TRL)."""
+        return ~torch.isnan(self.rewards).all(dim=1)
+
     def column(self, name: str) -> list:
         """A dataset column, one value per completion (KeyError lists the available ones)."""
         try:

@@ -98,7 +98,10 @@ def compute_advantages(batch: RolloutBatch) -> torch.Tensor:
         were all dropped are left out), rewards shaped. ``batch.kept`` is the filters' verdict per
         completion and may be partly False inside a group: a dropped completion still counts in its
         group's baseline (as TRL counts truncated completions) and gets advantage 0 afterwards,
-        whatever the estimator returns for it.
+        whatever the estimator returns for it. A completion no reward function scored
+        (``batch.scorable`` False: every reward NaN) is out of the built-in estimator's baseline and
+        gets 0 from it, as in TRL; a plugin leaves it out of its group statistics and credits it
+        nothing, unless its method says otherwise (``gdpo``'s ``nan_policy: zero``).
     :return: float ``(N,)`` sequence advantages or ``(N, T)`` per-token advantages (``T`` =
         ``batch.completion_ids.shape[1]``), finite everywhere.
     Called once per optimiser batch (after refill), on every rank.
@@ -112,7 +115,8 @@ def transform_advantages(batch: RolloutBatch, advantages: torch.Tensor) -> torch
     :param batch: the same groups the estimator saw (see ``compute_advantages``).
     :param advantages: ``(N,)`` or ``(N, T)`` output of the estimator or of the previous transform.
     :return: ``(N,)`` or ``(N, T)`` finite tensor (a transform may turn ``(N,)`` into ``(N, T)``),
-        or ``None`` for no change. Values at padded positions are ignored by the loss.
+        or ``None`` for no change. Values at padded positions are ignored by the loss, and so are
+        the rows of dropped completions (the host sets them to 0 after the last transform).
     Called once per optimiser batch, on every rank, after ``compute_advantages``.
     """
 

@@ -161,6 +161,36 @@ def test_dropped_completions_do_not_enter_the_statistics():
     assert not torch.allclose(kept[:2], a[:2], atol=1e-3)
 
 
+def test_unscored_completions_do_not_enter_the_statistics():
+    # as above, with the third row unscored instead of dropped (every reward None): GRPO leaves it out of the
+    # baseline (A = [+1, -1, 0]), EMPG out of its entropy statistics, and it gets 0
+    tool = [[1, 1, 0, 1, 1, 1], [1, 1, 0, 1, 1, 0], [1] * 6]
+    mask = [[1] * 6, [1, 1, 1, 1, 1, 0], [1] * 6]
+    entropies = torch.tensor([[0.0, 0.0, 9.0, 0.5, 1.5, 1.0], [0.5, 0.5, 9.0, 0.2, 0.8, 0.0], [10.0] * 6])
+    batch = make_batch([2.0, 0.0, None], 3, completion_mask=mask, tool_mask=tool, entropies=entropies,
+                       scale_rewards="none")
+    a = run_plugin(EMPG, batch, RAW).advantages
+    torch.testing.assert_close(a[:2], per_token(VECTOR, TURN_LAYOUT), atol=1e-5, rtol=0)
+    assert (a[2] == 0).all()
+
+
+def test_step_mode_leaves_out_environment_tokens():
+    tok = tiny_tokenizer()
+    texts = ["First step\nSecond step", "One\nTwo"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    tool = [[1, 1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]]  # row 0's fifth token is the environment's
+
+    def advantages(env_entropy):
+        entropies = torch.tensor([[0.0, 0.0, 0.0, 1.0, env_entropy, 1.5], [0.5, 0.5, 0.2, 0.8, 0.0, 0.0]])
+        batch = make_batch([2.0, 0.0], 2, completion_ids=ids, completions=texts, tokenizer=tok, entropies=entropies,
+                           tool_mask=tool, scale_rewards="none")
+        return run_plugin(EMPG, batch, {"segments": "steps", **RAW}).advantages
+
+    low, high = advantages(0.0), advantages(50.0)
+    torch.testing.assert_close(low, high)  # the environment token's entropy enters no step mean
+    assert low[0, 4] == 0 and low[0, 3] != 0
+
+
 class TokenAdvantages(Plugin):
     """Turns (N,) advantages into (N, T): twice the advantage on each row's first token."""
 

@@ -63,6 +63,8 @@ def test_path_checks_before_the_model_loads(tmp_path):
         check_args(FixedPRM, {"path": str(pickled)})
     with pytest.raises(ConfigError, match="is not a directory"):
         check_args(FixedPRM, {"path": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match=r"\(fixed_prm\).*pattern"):
+        check_args(FixedPRM, {"path": str(tmp_path), "pattern": "("})
 
 
 def test_contract(tmp_path):

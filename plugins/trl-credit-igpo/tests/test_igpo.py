@@ -71,6 +71,21 @@ def test_end_to_end_advantages_on_the_tokens_of_each_step():
     assert result.metrics["igpo/turns"] == 2.5
 
 
+def test_an_unscored_completion_is_not_scored_and_leaves_the_statistics():
+    # a third member no reward function scored: no prefix is scored for it (the scorer has no P for row 2 and
+    # would raise), its turns enter no normalisation, and it gets 0
+    batch, ids = igpo_batch(TEXTS + ["1 + 2 = 3\n3"], outcome=(1.0, 0.0, None))
+    a = run_plugin(IGPO, batch).advantages
+    expected = [[1.535705, 1.457618, 1.900109], [-1.535705, -0.702780]]
+    from trl_credit import token_steps
+
+    index, _ = token_steps(batch, r"\n+", fill=True)
+    for row in range(2):
+        for t in range(len(ids[row])):
+            assert a[row, t].item() == pytest.approx(expected[row][int(index[row, t])], abs=1e-4), (row, t)
+    assert (a[2] == 0).all()
+
+
 def test_the_cue_is_context_and_the_gold_tokens_alone_are_averaged():
     tok = tiny_tokenizer()
     texts = ["a\nb"]
@@ -110,6 +125,13 @@ def test_edge_cases_empty_completion_one_step_and_nan_outcome():
     assert torch.equal(a[1], torch.zeros_like(a[1]))  # NaN outcome: its only turn gets 0
     # one-step completions hold only their outcome: pure outcome credit, sign of (o - mu)
     assert a[2, 0] < 0 < a[3, 0]
+
+
+def test_a_bad_pattern_is_a_config_error():
+    from trl_credit import ConfigError
+
+    with pytest.raises(ConfigError, match="pattern"):
+        run_plugin(IGPO, igpo_batch()[0], {"pattern": "("})
 
 
 def test_check_args_refuses_a_reference_without_one():

@@ -162,6 +162,21 @@ def test_dropped_completions_are_out_of_the_pool():
     assert credit[3, 0].item() == pytest.approx(1.658312, abs=1e-5)  # (1 - .45) / (.331662 + 1e-6)
 
 
+def test_unscored_completions_are_out_of_the_pool():
+    # c1 unscored (every reward None) instead of dropped: the same pool, and c1 gets 0
+    checks = [[1, None, 3], [0, 4], [2], [4]]
+    tool, mask = TOOL + [[1] * 7, [1] * 7], MASK + [[1] * 7, [1] * 7]
+
+    def batch():
+        return make_batch([1.0, None, 1.0, 1.0], 4, completion_mask=mask, tool_mask=tool,
+                          columns={"turn_checks": checks})
+
+    result = run_plugin(ProCredit, batch(), {"total_checks": 4})
+    assert torch.equal(result.advantages[1], torch.zeros(7))
+    credit = result.advantages - run_plugin(ProCredit, batch(), {"coef": 0.0}).advantages
+    assert credit[3, 0].item() == pytest.approx(1.658312, abs=1e-5)
+
+
 def test_a_batch_without_the_column_is_refused_by_the_host():
     assert plugin_set(ProCredit, {"column": "checks"}).plugins[0].members.required_turn_values == ("checks",)
     batch = make_batch([1.0, 0.0], 2, completion_mask=MASK, tool_mask=TOOL, columns={"other": [[1], [2]]})

@@ -146,6 +146,15 @@ def test_guess_distance_lower_is_better():
     assert first.advantages[3, 0] + A == pytest.approx(0.0, abs=1e-6)  # row 3's first record is turn 1: Phi_0 = -7
 
 
+def test_initial_first_leaves_the_turns_up_to_the_first_record_unshaped():
+    # terminal zero, return credit: Phi row 0 [.2, .2, .5, 0] -> G [-.2, -.2, -.5]; row 1 [.4, .4, .4, 0] -> G -.4;
+    # row 2 [.3, 0] -> G -.3; row 3 (first record after turn 1) [.8, .8, 0] -> G -.8. A turn at or before the first
+    # record would be credited with -Phi(its own result), so it gets 0: the later turns keep -Phi(state before)
+    result = run_plugin(ProgressPotential, make(), {"column": "progress", "initial": "first"})
+    g = [[0.0, -0.2, -0.5], [0.0, -0.4, -0.4], [0.0], [0.0, 0.0]]
+    torch.testing.assert_close(model_tokens(result.advantages), model_tokens(per_token(g)), atol=1e-5, rtol=0)
+
+
 def test_index_mode_normalises_the_shaped_returns_per_turn_index():
     res = run_plugin(ProgressPotential, make(), {"column": "progress", "terminal": "last", "advantage": "index"})
     # R_k = G_k + r (gamma 1): row 0 [1.9, 1.7, 1.4], row 1 [.6, .2, .2], row 2 [1.3], row 3 [.8, .8]

@@ -266,12 +266,17 @@ def test_edge_cases_no_answers_one_cluster_empty_and_no_steps():
     # all agree: one cluster, q = 1; empty and step-less completions are not scored
     texts = ["1 + 4\n= 5", "2 + 3\n= 5", "", " \n "]
     probs = [{"5": [0.1, 0.2, 0.4]}, {"5": [0.2, 0.2, 0.1]}, {}, {}]
-    credit, result = extra(RAW, texts, rewards=[1.0, None, 0.0, None], probs=probs, eos=(), calls=calls)
+    credit, result = extra(RAW, texts, rewards=[1.0, 0.0, 0.0, None], probs=probs, eos=(), calls=calls)
     assert {row for row, *_ in calls} == {0, 1} and result.metrics["siop/top_share"] == 1.0
     e0, e1 = (step_ends(result.batch)[i].tolist() for i in (0, 1))
     torch.testing.assert_close(credit[0, : e0[-1]], per_token([LN2, LN2], e0, e0[-1]), atol=1e-6, rtol=0)
     torch.testing.assert_close(credit[1, : e1[-1]], per_token([0.0, -LN2], e1, e1[-1]), atol=1e-6, rtol=0)
     assert credit[2:].abs().sum() == 0 and torch.isfinite(result.advantages).all()
+    # a completion no reward function scored (row 1 here) is not scored and gets 0 (as TRL gives it)
+    calls.clear()
+    credit, result = extra(RAW, texts, rewards=[1.0, None, 0.0, None], probs=probs, eos=(), calls=calls)
+    assert {row for row, *_ in calls} == {0} and (result.advantages[1] == 0).all()
+    torch.testing.assert_close(credit[0, : e0[-1]], per_token([LN2, LN2], e0, e0[-1]), atol=1e-6, rtol=0)
 
 
 def test_check_args():
@@ -335,6 +340,6 @@ def test_turn_mode_scores_at_the_turn_boundaries():
     result = run_plugin(SIOP, batch, {"segments": "turns", "normalise": "none", "coef": 1.0, "credit": "step",
                                       "min_steps": 1})
     assert result.metrics["siop/scored"] == 1.0 and result.metrics["siop/steps"] == 2.0
-    # one cluster (q = 1): Phi = log S = [-2, -1, -0.5] -> r = [1, 0.5] on the tokens of turn 1 (its reply
-    # included) and turn 2; both outcomes are 1, so GRPO's advantage is 0 and the advantages are the credit
-    torch.testing.assert_close(result.advantages, torch.tensor([[1.0, 1, 1, 1, 0.5, 0.5]] * 2), atol=1e-5, rtol=0)
+    # one cluster (q = 1): Phi = log S = [-2, -1, -0.5] -> r = [1, 0.5] on the tokens of turn 1 and turn 2, none on
+    # the reply; both outcomes are 1, so GRPO's advantage is 0 and the advantages are the credit
+    torch.testing.assert_close(result.advantages, torch.tensor([[1.0, 1, 0, 0, 0.5, 0.5]] * 2), atol=1e-5, rtol=0)

@@ -165,6 +165,13 @@ def test_dropped_rows_are_out_of_the_baseline():
     torch.testing.assert_close(result.advantages[[1, 3], 5], torch.tensor([0.0, 0.0]))  # pool [-1, -1]: mean -1
 
 
+def test_unscored_rows_are_out_of_the_baseline():
+    # the first row unscored (every reward None) instead of dropped: the same pool, and it gets 0
+    result = run_plugin(SkillGate, group(rewards=(None, 1.0, 1.0, 0.0)), {"baseline": "mean"})
+    assert torch.equal(result.advantages[0], torch.zeros(18))
+    torch.testing.assert_close(result.advantages[[1, 3], 5], torch.tensor([0.0, 0.0]))
+
+
 def test_tool_path_messages_are_refused_with_the_reason():
     messages = [[{"role": "assistant", "content": "<skill>pdf</skill>"}, {"role": "tool", "content": "ok"},
                  {"role": "assistant", "content": "done"}]] * 2

@@ -222,3 +222,21 @@ def test_turn_mode_states_are_turn_boundaries_with_the_replies():
     # each turn's reward on its own tokens (the reply after it shares its step; TRL's loss ignores reply tokens)
     # (the outcome advantage of a group of one is 0, so the advantages are the credit)
     torch.testing.assert_close(result.advantages[0, [0, 1, 4, 5, 7]], torch.tensor([2.0, 2.0, -0.5, -0.5, 3.5]))
+    assert (result.advantages[0, [2, 3, 6]] == 0).all()  # the replies get no credit
+
+
+def test_an_unscored_completion_is_not_scored_and_gets_nothing():
+    values = {0: -6.0, 4: -4.0, 7: -4.5, 8: -1.0}
+    rows = []
+
+    def fn(row, end, text, model):
+        rows.append(row)
+        return [values[end]]
+
+    tool = [[1, 1, 0, 0, 1, 1, 0, 1]] * 2
+    batch = make_batch([1.0, None], 2, completion_mask=[[1] * 8] * 2, tool_mask=tool, columns={"answer": ["5"] * 2},
+                       prefix_logps_fn=fn)
+    result = run_plugin(TRACE, batch, {"segments": "turns", "normalise": "none", "coef": 1.0, "cue": ""})
+    assert set(rows) == {0}  # no reward function scored row 1: no scoring pass for it
+    assert (result.advantages[1] == 0).all()
+    torch.testing.assert_close(result.advantages[0, [0, 1, 4, 5, 7]], torch.tensor([2.0, 2.0, -0.5, -0.5, 3.5]))

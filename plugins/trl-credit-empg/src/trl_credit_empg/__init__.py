@@ -134,8 +134,8 @@ class EMPG(Plugin):
         if self.config.segments == "turns":
             return batch.turns().index
         index, _ = token_steps(batch, self.config.pattern, fill=True)
-        real = batch.completion_mask.to(index.device).bool()
-        return torch.where(real & (index < 0), 0, index)  # a completion without a step is one step
+        model = batch.turns().model.to(index.device)  # the completion mask less the environment's tokens
+        return torch.where(model, index.clamp(min=0), -1)  # a completion without a step is one step
 
     @hookimpl
     def transform_advantages(self, batch: RolloutBatch, advantages: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,8 @@ class EMPG(Plugin):
         cfg = self.config
         device = advantages.device
         index = self._step_index(batch).to(device)
-        index = torch.where(batch.kept.to(device).unsqueeze(1), index, -1)  # statistics over kept completions
+        members = (batch.kept & batch.scorable).to(device)  # statistics over kept, scored completions
+        index = torch.where(members.unsqueeze(1), index, -1)
         entropies = batch.policy_entropies().to(device)[:, : index.shape[1]]
         h, count = step_entropies(entropies, index)
         valid = count > 0

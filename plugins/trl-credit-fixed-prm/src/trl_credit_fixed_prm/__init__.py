@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Adapter, Plugin, hookimpl, token_steps
+from trl_credit import Adapter, Plugin, Regex, hookimpl, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +79,7 @@ class FixedPRM(Plugin):
         path: str = Field("", description="saved PEFT adapter folder of the implicit PRM (adapter_config.json + "
                           "adapter_model.safetensors), e.g. out/checkpoint-200/tc_prime_prm")
         beta: float = Field(0.05, gt=0, description="implicit-PRM beta (the one it was trained with)")
-        pattern: str = Field(r"\n+", description="regex separating steps in a completion")
+        pattern: Regex = Field(r"\n+", description="regex separating steps in a completion")
         aggregate: Literal["min", "sum", "mean", "last"] = Field("min", description="how step rewards make one reward")
         column: str = Field("implicit_prm", description="reward column written (appended, or replaced if it exists)")
         weight: float = Field(1.0, description="weight of an appended column in the total reward")

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Plugin, discounted_returns, hookimpl, step_ends, token_steps
+from trl_credit import Plugin, Regex, discounted_returns, hookimpl, step_ends, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ class IGPO(Plugin):
                          "(IGPO's pseudo-response up to the answer); only the gold tokens are scored")
         segments: Literal["steps", "turns"] = Field("steps", description="what a turn is: a step of the text "
                                                     "(pattern) or a model turn of a multi-turn rollout (TRL's tool mask)")
-        pattern: str = Field(r"\n+", description="regex separating steps (turns) in a completion")
+        pattern: Regex = Field(r"\n+", description="regex separating steps (turns) in a completion")
         max_steps: int = Field(8, ge=1, description="at most this many turns per completion (the last ones; "
                                "earlier steps merge into the first kept): bounds the scored prefixes")
         mode: Literal["joint", "separate"] = Field("joint", description="normalise IG rewards and outcomes "
@@ -174,9 +174,12 @@ class IGPO(Plugin):
         before, turns, token_turn = (self._turn_segments(batch) if cfg.segments == "turns"
                                      else self._step_segments(batch))
         k = before.shape[1]
+        scorable = batch.scorable.to(before.device)  # no reward function scored it: not scored, no statistics, 0
+        before = torch.where(scorable.unsqueeze(1), before, -1)
         p = self.gold_probability(batch, before).nan_to_num(0.0)
         outcome = batch.reward(cfg.reward) if cfg.reward else batch.total_reward()
         rewards, valid = information_gain(p, turns.to(p.device), outcome.to(p.device))
+        valid = valid & scorable.to(p.device).unsqueeze(1)
         g = batch.num_generations
         if cfg.mode == "joint":
             z = normalise(rewards, valid, g)

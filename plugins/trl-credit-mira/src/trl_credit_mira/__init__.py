@@ -121,7 +121,7 @@ class MiRA(Plugin):
         valid = torch.arange(k, device=device).unsqueeze(0) < count.unsqueeze(1)
         # a dropped row, or one no reward function scored (GRPO gives it 0), earns no milestone credit and leaves
         # the group's statistics
-        scored = batch.kept & ~torch.isnan(batch.total_reward())
+        scored = batch.kept & batch.scorable
         pool = valid & scored.to(device).unsqueeze(1)
         n = new_milestones(raw, valid, cfg.values, cfg.thresholds)
         b = n if cfg.credit == "turn" else discounted_returns(n, cfg.gamma)

@@ -167,7 +167,8 @@ class ProCredit(Plugin):
         passed, total = (t.to(device) for t in self.checks_passed(batch))
         count = turns.count.to(device)
         valid = torch.arange(k, device=device).unsqueeze(0) < count.unsqueeze(1)
-        pool = valid & batch.kept.to(device).unsqueeze(1)
+        members = (batch.kept & batch.scorable).to(device)  # kept and scored: the others get 0
+        pool = valid & members.unsqueeze(1)
         r = progress_rewards(passed, total, valid)
         p = r if cfg.credit == "turn" else discounted_returns(r, cfg.gamma)
         g = batch.num_generations
@@ -176,7 +177,7 @@ class ProCredit(Plugin):
         out = base + cfg.coef * turns.broadcast(z).to(device)
         final = r.sum(1)  # telescopes to f_K
         if cfg.final_weight:
-            rows = batch.kept.to(device) & (count > 0)
+            rows = members & (count > 0)
             zf = group_normalise(final, rows, g, cfg.normalise)
             out = out + cfg.final_weight * zf.unsqueeze(1) * turns.model.to(device)
         if bool(pool.any()):

@@ -19,6 +19,8 @@ Formula (completion ``i`` with ``K_i`` model turns; ``p_ik`` the progress the en
     sum_k gamma^k F_ik = gamma^K_i * Phi_i,K_i - Phi_i0                 (telescopes)
     credit: return   G_ik = sum_{j >= k} gamma^(j - k) F_ij = gamma^(K_i - k) Phi_i,K_i - Phi_ik
     credit: reward   G_ik = F_ik
+    initial: first   G_ik = 0 for k <= j_i, the turn of row i's first record (Phi before those turns is that
+                     record's potential, which their own result decided: it would be no state baseline)
     advantage: add     A_it = A_i + coef * G_i,k(t)            A_i the run's outcome advantage (a transform)
     advantage: index   R_ik = coef * G_ik + gamma^(K_i - 1 - k) r_i      (the shaped return-to-go)
                        A_it = (R_ik - mean_gk R) / (std_gk R + 1e-4)     over the group's rows with a turn k
@@ -169,6 +171,12 @@ class ProgressPotential(Plugin):
         phi, shaped = potentials(sign * batch.turn_values(cfg.column), count, initial, cfg.terminal)
         f = shaping_rewards(phi, count, cfg.gamma)
         g = discounted_returns(f, cfg.gamma) if cfg.credit == "return" else f
+        if cfg.initial == "first":  # the turns up to a row's first record are not shaped (see the formula)
+            k = f.shape[1]
+            column = torch.arange(k, device=f.device).unsqueeze(0)
+            recorded = ~torch.isnan(batch.turn_values(cfg.column).to(f.device)) & (column < count.unsqueeze(1))
+            first = recorded.float().argmax(dim=1, keepdim=True)  # a row without a record is unshaped anyway
+            g = torch.where(column <= first, 0.0, g)
         self.log_metric(batch, "valued_rows", float(shaped.float().mean()) if len(shaped) else 0.0)
         if shaped.any():
             turns = count[shaped]

@@ -357,7 +357,7 @@ class SIOP(Plugin):
                 else step_ends(batch, cfg.pattern, cfg.max_steps)).cpu()
         steps = (ends >= 0).sum(1)
         eligible = (q_row > 0) if cfg.potential == "own" else group_answered.repeat_interleave(g)
-        base = eligible & (steps > 0) & batch.kept.cpu()
+        base = eligible & (steps > 0) & (batch.kept & batch.scorable).cpu()  # unscorable rows get 0, as TRL
         scored = base & (steps >= cfg.min_steps)
         credited = scored | (base & (cfg.terminal_weight > 0))
         if not credited.any() or ends.shape[1] == 0:  # nothing to credit: the outcome advantages stand
@@ -392,7 +392,7 @@ class SIOP(Plugin):
         z = normalise(rewards, valid, g, cfg.normalise)
         credit = accumulate(z, cfg.gamma) if cfg.credit == "return" else z
         credit = torch.cat([credit, torch.zeros(n, 1)], dim=1)  # tokens past the last step end: no credit
-        mask = batch.completion_mask.cpu().to(torch.float32)
+        mask = batch.turns().model.cpu().to(torch.float32)  # the model's tokens: not the environment's replies
         token_credit = credit.gather(1, step_of_tokens(ends, width)) * mask
         outcome = advantages.cpu().to(torch.float32)
         outcome = outcome.unsqueeze(1).expand(n, width) if outcome.dim() == 1 else outcome

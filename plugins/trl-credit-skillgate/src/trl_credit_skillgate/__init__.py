@@ -204,7 +204,7 @@ class SkillGate(Plugin):
         selector = channel["selector"].to(device)
         reads = channel["reads"].to(device)
         kept = batch.kept.to(device)
-        pool = kept & (reads > 0)
+        pool = kept & batch.scorable.to(device) & (reads > 0)  # scored rows: the others get 0
         b = centre(channel["s"].to(device).to(advantages.dtype), pool, batch.num_generations, cfg.baseline)
         base = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(-1, batch.width)
         out = torch.where(selector, cfg.coef * b.unsqueeze(1), base)

@@ -174,7 +174,7 @@ class TRACE(Plugin):
         ends = (turn_ends(batch, cfg.max_steps) if cfg.segments == "turns"  # (N, K) ends of the kept steps
                 else step_ends(batch, cfg.pattern, cfg.max_steps)).cpu()
         steps = (ends >= 0).sum(1)
-        scored_row = (steps > 0) & has_gold & batch.kept.cpu()  # rows worth a scoring pass
+        scored_row = (steps > 0) & has_gold & (batch.kept & batch.scorable).cpu()  # rows worth a scoring pass
         if not scored_row.any():  # nothing to score: the outcome advantages stand
             self.log_metric(batch, "steps", 0.0)
             return None
@@ -193,7 +193,7 @@ class TRACE(Plugin):
         credit = reward_to_go(z) if cfg.credit == "return" else z
         credit = torch.cat([credit, torch.zeros(n, 1)], dim=1)  # tokens past the last step end: no credit
         step = step_of_tokens(ends, width)  # tokens [e_k-1, e_k) form step k (the EOS is in the last step)
-        mask = batch.completion_mask.cpu().to(torch.float32)
+        mask = batch.turns().model.cpu().to(torch.float32)  # the model's tokens: not the environment's replies
         token_credit = credit.gather(1, step) * mask
         outcome = advantages.cpu().to(torch.float32)
         outcome = outcome.unsqueeze(1).expand(n, width) if outcome.dim() == 1 else outcome
