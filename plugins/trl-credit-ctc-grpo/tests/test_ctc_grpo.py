@@ -155,7 +155,7 @@ def test_all_nan_states_constant_groups_and_nan_outcomes_give_no_credit():
     assert nan.advantages[2, 0] - nan.advantages[0, 0] == pytest.approx(0.0, abs=1e-5)  # both d = 1
 
 
-def test_sequence_or_token_advantages_in_and_dropped_rows():
+def test_sequence_or_token_advantages_in():
     class Tokens(Plugin):
         """An estimator giving (N, T) advantages: 1 on every token."""
 
@@ -165,6 +165,19 @@ def test_sequence_or_token_advantages_in_and_dropped_rows():
 
     res = run_plugin(CTCGRPO, make(), {"column": "state", "coef": 1.0}, others=[Tokens])
     assert res.advantages[0, 0] == pytest.approx(1 - 1 / 9, abs=1e-6) and res.advantages[0, 2] == 1.0
+
+
+def test_a_dropped_row_counts_in_the_pool_and_gets_nothing():
+    class DropSecond(Plugin):
+        @hookimpl
+        def filter_rollouts(self, batch):
+            return torch.arange(batch.num_completions) != 1
+
+    plain = run_plugin(CTCGRPO, make(), {"column": "state"}).advantages
+    dropped = run_plugin(CTCGRPO, make(), {"column": "state"}, others=[DropSecond]).advantages
+    assert (dropped[1] == 0).all() and plain[1].abs().sum() > 0
+    # the others keep their credit: row 1's deltas stay in the pool, as its outcome stays in GRPO's baseline
+    torch.testing.assert_close(dropped[[0, 2, 3]], plain[[0, 2, 3]])
 
 
 def test_a_batch_without_the_column_is_refused_by_the_host():

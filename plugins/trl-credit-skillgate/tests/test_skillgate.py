@@ -188,6 +188,7 @@ def test_tool_path_messages_are_refused_with_the_reason():
     ({"wrong": 0.5}, "wrong"),
     ({"multiple": 1.0}, "multiple"),
     ({"gold_column": " "}, "gold_column must name"),
+    ({"baseline": "mean", "wrong": -0.5}, "wrong (-0.5) != multiple (-1.0)"),
 ])
 def test_options_are_checked_at_construction(options, text):
     with pytest.raises(ConfigError, match=r"plugins\[0\] \(skillgate\)") as info:

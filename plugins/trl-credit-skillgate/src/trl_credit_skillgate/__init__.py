@@ -156,6 +156,11 @@ class SkillGate(Plugin):
                                  "(?P<skill>...) to the pattern or set tokens: match")
             if not self.gold_column.strip():
                 raise ValueError("gold_column must name the dataset column of correct skills, e.g. gold_skill")
+            if self.baseline != "none" and self.wrong != self.multiple:
+                # centred, the higher of the two is positive in a group whose other reads all score the lower
+                raise ValueError(f"baseline: {self.baseline} with wrong ({self.wrong}) != multiple ({self.multiple}) "
+                                 "can make a read that is not a single correct one positive; fix: set wrong and "
+                                 "multiple equal, or baseline: none")
             return self
 
     def required_columns(self) -> list[str]:
