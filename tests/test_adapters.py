@@ -73,6 +73,45 @@ def test_the_step_minimises_the_mean_loss_computed_on_the_scores_with_grad(tmp_p
     torch.testing.assert_close(result["logps"], before, rtol=1e-5, atol=1e-5)
 
 
+class ViewPRM(Plugin):
+    """An estimator that trains its adapter on the optimiser batch: a view of the round when a group is dropped."""
+
+    name = "view_prm"
+    seen: list = []
+
+    def adapters(self):
+        return [Adapter("prm", lr=1e-2)]
+
+    @hookimpl
+    def compute_advantages(self, batch):
+        prm = self.adapter("prm")
+        label = batch.total_reward().nan_to_num(0.0).clamp(0, 1)
+        ref, mask = batch.ref_logps(), batch.completion_mask.float()
+
+        def loss_fn(logps, rows):  # rows index this batch (the view), as the contract says
+            score = 0.05 * ((logps - ref[rows]) * mask[rows]).sum(1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(score, label[rows], reduction="none")
+
+        expected = float(loss_fn(prm.logps(batch), torch.arange(batch.num_completions)).mean())
+        ViewPRM.seen.append((batch.num_completions, prm.update(batch, loss_fn)["loss"], expected))
+        return torch.zeros(batch.num_completions)
+
+
+@pytest.mark.parametrize("where", ["trainer", "kit"])
+def test_an_update_on_a_view_passes_the_views_own_rows(tmp_path, where):
+    # two groups of four, the first dropped: the estimator sees a view of rows 4..7 and its loss indexes the view
+    ViewPRM.seen = []
+    if where == "trainer":
+        train([{"name": ViewPRM}, fx.DropFirstGroup], tmp_path, max_steps=1)
+    else:
+        prm = torch.tensor([[-0.5, -0.5]] * 4 + [[-1.0, 0.0], [0.0, 0.0], [-2.0, -1.0], [-0.3, -0.1]])
+        run_plugin(ViewPRM, make_batch([1, 0, 1, 0, 1, 1, 0, 0], 4, lengths=[2] * 8, adapters={"prm": prm},
+                                       ref_logps=torch.zeros(8, 2)),
+                   others=[fx.DropFirstGroup])
+    (rows, loss, expected), = ViewPRM.seen
+    assert rows == 4 and loss == pytest.approx(expected, rel=1e-5)
+
+
 def test_policy_init_copies_the_policy_adapter_and_ema_follows_it(tmp_path):
     policies = []
 

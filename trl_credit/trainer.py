@@ -754,7 +754,7 @@ class TrainerScorer:
         chunk = max(1, t.args.per_device_train_batch_size)
         model = acc.unwrap_model(t.model)  # not the DDP wrapper: its reducer knows only the policy's weights
 
-        position = {int(r): j for j, r in enumerate(rows.tolist())}
+        position = {int(r): j for j, r in enumerate(rows.tolist())}  # root row -> row of the (view) batch
         scores = torch.zeros(len(rows), width, device=acc.device)  # the pre-step log-probs, for the plugin
 
         def chunks():
@@ -769,7 +769,7 @@ class TrainerScorer:
                     logps = logps.float() * out["completion_mask"][idx].to(logps.dtype)
                     logps = torch.nn.functional.pad(logps, (0, width - logps.shape[1]))
                     scores[torch.tensor([position[r] for r in part], device=scores.device)] = logps.detach().to(scores.device)
-                    yield loss_fn(logps, torch.tensor(part))
+                    yield loss_fn(logps, torch.tensor([position[r] for r in part]))  # rows of the batch passed
 
         def reduce(x):
             return acc.reduce(x, reduction="sum") if acc.num_processes > 1 else x

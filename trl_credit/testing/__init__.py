@@ -125,7 +125,7 @@ class _StaticScorer:
 
     def update_adapter(self, kind, rows, loss_fn, width):
         logps = self._adapter(kind).clone().requires_grad_(True)
-        losses = loss_fn(logps[rows], rows)
+        losses = loss_fn(logps[rows], torch.arange(len(rows)))  # rows of the batch passed (a view's own)
         if losses.dim() != 1:
             raise ValueError(f"{kind}: loss_fn must return one loss per row, got shape {tuple(losses.shape)}")
         loss = losses.sum() / max(len(rows), 1)

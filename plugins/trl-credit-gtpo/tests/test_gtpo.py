@@ -194,6 +194,15 @@ def test_entropy_shapes_zero_advantage_completions_like_the_code():
     tight(result.advantages, torch.full((4, 4), -0.05))          # A = 0 -> 0 - 0.1 * 0.5
 
 
+def test_an_unscorable_completion_gets_no_entropy_shaping():
+    # every reward None for row 1: GRPO gives it 0, and so does GTPO (no -0.1 H); the metrics leave it out
+    batch = make_batch([1, None, 1, 1], 4, entropies=torch.tensor([[0.5] * 4, [0.3] * 4, [0.5] * 4, [0.5] * 4]))
+    result = run_plugin(GTPO, batch)
+    tight(result.advantages[1], torch.zeros(4))
+    tight(result.advantages[[0, 2, 3]], torch.full((3, 4), -0.05))
+    assert result.metrics["gtpo/entropy_mean"] == pytest.approx(0.5)
+
+
 def test_sets_are_taken_before_shaping():
     # A = +0.01 with H = 0.5 becomes -0.04 but still counts as positive (weight W, not 0)
     batch = make_batch([0, 0], 2, completion_ids=[[5], [5]], entropies=torch.full((2, 1), 0.5))

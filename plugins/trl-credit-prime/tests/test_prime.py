@@ -44,6 +44,26 @@ def test_code_form_returns_and_whitening():
     assert run().advantages.mean().abs() < 1e-6  # whitened over the batch
 
 
+def test_a_dropped_group_leaves_the_other_groups_vectors_unchanged():
+    from trl_credit import Plugin, hookimpl
+
+    class DropFirstGroup(Plugin):
+        @hookimpl
+        def filter_rollouts(self, batch):
+            return torch.arange(batch.num_groups) != 0
+
+    # the group of the paper-form vector comes second; the optimiser batch is a view of rows 4..7
+    q, ref = torch.cat([torch.zeros(4, 2), Q]), torch.cat([-torch.ones(4, 2), REF])
+    batch = make_batch([0.0, 1.0, 0.0, 1.0] + OUTCOME, 4, lengths=[2] * 8, ref_logps=ref, adapters={"prm": ref + q},
+                       reward_names=["accuracy"])
+    result = run_plugin(PRIME, batch, {"form": "paper"}, others=[DropFirstGroup])
+    torch.testing.assert_close(result.advantages[4:], run({"form": "paper"}).advantages, atol=1e-6, rtol=0)
+    assert (result.advantages[:4] == 0).all()
+    logit = 0.05 * Q.sum(1)  # the PRM's step is on the view's rows, with their own labels
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, torch.tensor(OUTCOME), reduction="none")
+    torch.testing.assert_close(result.adapter_updates[0].losses, bce, atol=1e-6, rtol=0)
+
+
 def test_the_prm_step_is_cross_entropy_on_the_outcome_with_its_gradient():
     result = run()
     update, = result.adapter_updates

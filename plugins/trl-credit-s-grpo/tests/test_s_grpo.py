@@ -35,6 +35,13 @@ def test_serial_rows_get_decayed_advantages_parallel_rows_keep_grpo():
     assert result.metrics["s_grpo/first_correct_exit"] == 2.0 and result.metrics["s_grpo/exit_accuracy"] == 0.75
 
 
+def test_an_unscored_exit_is_out_of_the_serial_mean_and_gets_nothing():
+    batch = make_batch([1, 0, 0, 1, 0, 1, None, 1], 4, columns={"trl_credit_augmented": [None] * 4 + [CONTEXT] * 4})
+    result = run_plugin(SGRPO, batch)
+    # serial: correct [0, 1, -, 1] -> r [0, 1, (0), 0.5]; the scored mean 0.5; the third exit gets 0
+    torch.testing.assert_close(result.advantages[4:], torch.tensor([-0.5, 0.5, 0.0, 0.0]))
+
+
 def test_requests_continue_the_first_completion_of_each_group_after_the_cue():
     tok = tiny_tokenizer()
     texts = ["1 + 2 = 3 so", "x", "4 + 4 = 8", "y"]

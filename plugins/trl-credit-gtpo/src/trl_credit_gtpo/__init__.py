@@ -272,9 +272,12 @@ class GTPO(Plugin):
         if cfg.entropy:
             h = token_mean(batch.policy_entropies())                           # H_i
             high = h > cfg.ent_threshold
-            shaped = torch.where(high, 0.0, seq_adv - cfg.ent_scale * h)       # A~_i
-            adv = torch.where(high[:, None], 0.0, adv - cfg.ent_scale * h[:, None]) if token_level else shaped
-            stats += [("entropy_mean", h.mean()), ("entropy_filtered", high.float().mean())]
+            off = high | ~batch.scorable.to(adv.device)                         # unscorable: 0, as TRL gives it
+            shaped = torch.where(off, 0.0, seq_adv - cfg.ent_scale * h)        # A~_i
+            adv = torch.where(off[:, None], 0.0, adv - cfg.ent_scale * h[:, None]) if token_level else shaped
+            live = kept & batch.scorable.to(adv.device)
+            if bool(live.any()):
+                stats += [("entropy_mean", h[live].mean()), ("entropy_filtered", high[live].float().mean())]
         if not cfg.protect_conflicts:
             self._log(batch, stats)
             return maskf.mul_(adv if token_level else adv[:, None])

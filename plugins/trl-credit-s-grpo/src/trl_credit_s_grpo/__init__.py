@@ -5,7 +5,7 @@ path cut at G positions from front to back; at each cut an end-of-thinking cue i
 generated directly. Correct answers earn less the later they exit, so the policy learns when its reasoning is
 already sufficient and stops there (shorter chains, same or better accuracy).
 
-Formula (the serial group of completion ``y`` of group ``g``: exits ``e_1 < ... < e_G``, the last at the end of
+Formula (the serial group of completion ``y`` of group ``g``: exits ``e_1 <= ... <= e_G``, the last at the end of
 ``y``; answer ``a_j`` generated after ``prompt + y[:e_j] + cue``; ``c_j`` = 1 if ``a_j``'s reward passes
 ``threshold``)::
 
@@ -15,6 +15,10 @@ Formula (the serial group of completion ``y`` of group ``g``: exits ``e_1 < ... 
     decay "position" (a third-party re-implementation):
                     r_j = c_j / 2^(j - 1)
     A_j = r_j - mean_j r                              (no std), on every token of the exit's answer
+    an exit no reward function scored (NaN) has c_j = 0, stays out of the mean and gets A_j = 0 (as TRL gives it)
+
+Exits repeat when the path is shorter than G tokens (uniform) or when random draws coincide; repeated exits are
+separate samples of the answer at the same cut.
 
 The serial group is generated through TRL's own path (`trl_credit.Augmentation` with one prompt per exit,
 `RolloutBatch.prefix_prompt`: the rendered prompt, the decoded prefix, the cue) and scored by the run's reward
@@ -49,7 +53,7 @@ CUE = "Time is limited, stop thinking and start answering.\n</think>\n"
 
 
 def exit_positions(length: int, g: int, mode: str = "uniform", generator: torch.Generator | None = None) -> list[int]:
-    """``G`` exit points in ``1..length``, increasing, the last one ``length`` (the full path)."""
+    """``G`` exit points in ``1..length``, non-decreasing, the last one ``length`` (the full path)."""
     import torch
 
     if mode == "uniform" or length <= 1:
@@ -70,9 +74,15 @@ def serial_rewards(correct: torch.Tensor, decay: str = "correct_rank") -> torch.
     return c / 2.0 ** rank
 
 
-def serial_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """``r - mean(r)`` per serial group (no std)."""
-    return rewards - rewards.mean(1, keepdim=True)
+def serial_advantages(rewards: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """``r - mean(r)`` per serial group (no std), the mean over the ``scored`` exits only; 0 for the others."""
+    import torch
+
+    if scored is None:
+        return rewards - rewards.mean(1, keepdim=True)
+    m = scored.to(rewards.dtype)
+    mean = (rewards * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(scored, rewards - mean, 0.0)
 
 
 class SGRPO(Plugin):
@@ -130,9 +140,11 @@ class SGRPO(Plugin):
         g = batch.num_generations
         rows = serial.nonzero().squeeze(1).reshape(-1, g)  # whole groups, in exit order
         reward = batch.reward(self.config.reward) if self.config.reward else batch.total_reward()
-        correct = (reward.to(advantages.device)[rows] >= self.config.threshold)
+        exit_reward = reward.to(advantages.device)[rows]
+        scored = ~torch.isnan(exit_reward)
+        correct = (exit_reward >= self.config.threshold) & scored
         r = serial_rewards(correct, self.config.decay)
-        a = serial_advantages(r)
+        a = serial_advantages(r, scored)
         out = advantages.clone()
         values = a.reshape(-1).to(out.dtype)
         out[rows.reshape(-1)] = values.unsqueeze(1).expand(-1, out.shape[1]) if out.dim() == 2 else values
