@@ -481,7 +481,7 @@ class RolloutBatch:
         completion token and ``V`` ``(N, T + 1)`` ``temperature * logsumexp(logits / temperature)`` of the state
         before each completion token, and after the last one (column ``L_i`` of row ``i``); no-grad, cached.
 
-        ``Q_t - V_t`` is the token's log-prob at that temperature. The inverse soft Bellman reward of the
+        ``Q_t - V_t`` is ``temperature`` times the token's log-prob at that temperature. The inverse soft Bellman reward of the
         endogenous-reward view (``r_t = Q_t - V_{t+1}``) needs both. TRL's own passes keep only log-probs and
         entropies, so this is a forward pass of its own (logits of the completion positions only, chunked
         to bound the ``(B, T + 1, vocab)`` logits), logged as ``trl_credit/cost/soft_values_seconds``.

@@ -130,14 +130,19 @@ def test_rows_without_gold_or_steps_get_no_step_credit():
     texts = ["ab\ncd", "xy\nzw", "ab\ncd", ""]
     calls = []
     table = {(r, e): 0.5 for r in range(4) for e in (0, 3, 5)}
-    result = run_plugin(P2S, batch_of(texts=texts, rewards=(1.0, 0.0, None, 0.0), gold=["g", None, "g", "g"],
+    result = run_plugin(P2S, batch_of(texts=texts, rewards=(1.0, 0.0, 1.0, 0.0), gold=["g", None, "g", "g"],
                                       pfr=table, calls=calls, lengths=[5, 5, 5, 0]))
     assert {row for row, *_ in calls} == {0, 2}
-    base = run_plugin(P2S, batch_of(texts=texts, rewards=(1.0, 0.0, None, 0.0), gold=[""] * 4, pfr=table,
+    base = run_plugin(P2S, batch_of(texts=texts, rewards=(1.0, 0.0, 1.0, 0.0), gold=[""] * 4, pfr=table,
                                     lengths=[5, 5, 5, 0]))
     assert base.metrics["p2s/steps"] == 0.0  # nothing scored: the advantages pass through
     torch.testing.assert_close(result.advantages, base.advantages.unsqueeze(1).expand(4, 5))
     assert torch.isfinite(result.advantages).all()
+    # c2 unscored (every reward None): not scored either, and GRPO's 0 stands
+    calls.clear()
+    result = run_plugin(P2S, batch_of(texts=texts, rewards=(1.0, 0.0, None, 0.0), gold=["g", None, "g", "g"],
+                                      pfr=table, calls=calls, lengths=[5, 5, 5, 0]))
+    assert {row for row, *_ in calls} == {0} and (result.advantages[2] == 0).all()
 
 
 def test_per_token_incoming_advantages():

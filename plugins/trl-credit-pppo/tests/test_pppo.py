@@ -67,6 +67,19 @@ def test_continuation_accumulated_reward():
     torch.testing.assert_close(result.rewards[:, 0], torch.tensor([1 / 3, 2 / 3]))
     alone = run_plugin(PPPO, batch, {"continuations": 2, "include_original": False})
     torch.testing.assert_close(alone.rewards[:, 0], torch.tensor([0.5, 0.5]))
+    # no continuation of row 1 can be scored: it keeps its own reward (a NaN there would stop the run)
+    seen = []
+
+    def unscorable(row, text):
+        seen.append((row, text))
+        return None if row == 1 else score_fn(row, text)
+
+    batch = make_batch([0.0, 1.0], 2, completion_ids=ids, completions=texts, tokenizer=tok, probe_fn=probe_fn,
+                       score_fn=unscorable)
+    kept = run_plugin(PPPO, batch, {"continuations": 2, "include_original": False, "rho_start": 0.5, "rho_end": 0.5})
+    torch.testing.assert_close(kept.rewards[:, 0], torch.tensor([0.5, 1.0]))
+    # each continuation is scored after the decoded kept prefix (half of the row's tokens)
+    assert [t for r, t in seen if r == 0] == [tok.decode(ids[0][: (len(ids[0]) + 1) // 2]) + s for s in (" good", " bad")]
 
 
 def test_contract():

@@ -209,6 +209,16 @@ def test_nan_reward_rows_get_no_process_credit(tokenizer):
     assert torch.equal(result.advantages, torch.zeros_like(result.advantages))
 
 
+def test_an_unscored_row_leaves_the_group_normalisation_and_eta(tokenizer):
+    two = text_batch(tokenizer, TEXTS[:2], [1.0, 0.0], num_generations=2)
+    three = text_batch(tokenizer, [*TEXTS[:2], TEXTS[3]], [1.0, 0.0, None], num_generations=3)
+    for config in ({"scorer": SCORER, "mode": "none", "normalize": "group"}, {"scorer": SCORER, "eta": None}):
+        a2 = run_plugin(PRMClipDelta, two, config).advantages
+        a3 = run_plugin(PRMClipDelta, three, config).advantages
+        torch.testing.assert_close(a3[:2, : a2.shape[1]], a2, **TIGHT)  # as if the unscored row were not there
+        assert (a3[2] == 0).all()
+
+
 def test_single_completion_groups(tokenizer):
     batch = text_batch(tokenizer, TEXTS[:2], [1.0, 0.0], num_generations=1)
     result = run_plugin(PRMClipDelta, batch, {"scorer": SCORER, "normalize": "group"})

@@ -16,8 +16,9 @@ Formula (completion ``i`` with ``L_i`` tokens, the model's logits ``Q`` at tempe
 
 Because ``Q_t - V_t = alpha * log pi(a_t | s_t)``, the sum telescopes:
 ``R_i = alpha * sum_t log pi(a_it | s_it) + V(s_i0) - V(s_i,L_i)``: the completion's log-likelihood under the
-model plus the prompt's soft value (the same for every completion of a group, so it cancels in GRPO's group
-baseline) minus the value of where it stopped.
+model plus the prompt's soft value (the same for every completion of a group, so under ``reduce: sum`` it cancels
+in GRPO's group baseline; under ``reduce: mean`` it is divided by each row's length and does not) minus the value
+of where it stopped.
 
 How the logits are obtained: TRL 1.16's own passes keep only per-token log-probs and entropies, so the plugin
 asks the host for `RolloutBatch.soft_values`: one extra no-grad forward pass of the chosen model that keeps the

@@ -150,7 +150,7 @@ class P2S(Plugin):
         gold = ["" if g is None else str(g) for g in batch.column(cfg.column)]
         has_gold = torch.tensor([bool(g.strip()) for g in gold], dtype=torch.bool, device=ends.device)
         steps = (ends >= 0).sum(1) * has_gold
-        active = steps > 0
+        active = (steps > 0) & batch.scorable.to(ends.device)  # unscorable: not scored, no statistics, 0
         self.log_metric(batch, "steps", float(steps.float().mean()) if n else 0.0)
         if not bool(active.any()):
             return None

@@ -113,6 +113,8 @@ class PPPO(Plugin):
         if c.include_original:
             scores = torch.cat([batch.rewards.unsqueeze(1).to(scores), scores], dim=1)
         accumulated = scores.nanmean(dim=1)  # NaN only where every continuation returned None
+        # a column no continuation could score keeps the rollout's own reward (NaN only where that is NaN too)
+        accumulated = torch.where(torch.isnan(accumulated), batch.rewards.to(accumulated), accumulated)
         self.log_metric(batch, "rho", rho)
         self.log_metric(batch, "continuation_reward", float(accumulated.nan_to_num(0.0).mean()))
         return {name: accumulated[:, k] for k, name in enumerate(batch.reward_names)}

@@ -193,6 +193,9 @@ class PRMClipDelta(Plugin):
         _, scores = step_scores(batch, c.scorer, c.pattern, **c.scorer_kwargs)
         step_index, _ = token_steps(batch, c.pattern, fill=True)   # gap tokens take the step before them
         r, counts = pad_step_scores(scores, device=batch.device)
+        scored = batch.scorable.to(batch.device)                                # GRPO gives unscorable rows 0
+        counts = torch.where(scored, counts, 0)                                 # and they leave the statistics
+        r = torch.where(scored.unsqueeze(1), r, 0.0)
         n, width = step_index.shape
         valid = step_mask(r, counts)
         has_steps = counts > 0
@@ -209,7 +212,6 @@ class PRMClipDelta(Plugin):
         refined = refine_rewards(r, c.mode, eta if eta is not None else 0.0, c.last, counts)
         returns = reward_to_go(refined)                                         # (N, S)
         per_token = returns.gather(1, step_index.clamp(min=0))                 # (N, T)
-        scored = ~torch.isnan(batch.total_reward()).to(batch.device)           # GRPO gives NaN rows 0
         per_token.masked_fill_((step_index < 0) | ~scored.unsqueeze(1), 0.0)
         self.log_metric(batch, "process_return", returns[:, 0][has_steps].mean().item())
         return per_token
