@@ -123,7 +123,7 @@ class NeedsProgress(Plugin):
 
     @hookimpl
     def transform_advantages(self, batch, advantages):
-        values = batch.turn_values("progress").nan_to_num(0.0)
+        values = batch.turn_values("progress").nan_to_num(0.0) * batch.scorable.unsqueeze(1)  # none to unscored rows
         return batch.turns().broadcast(values) + advantages.unsqueeze(1) * batch.turns().model
 
 

@@ -560,14 +560,16 @@ def check_args(plugin: type | str | Any, config: dict[str, Any] | None = None, *
 
 
 def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
-                 batches: Sequence[RolloutBatch | Callable[[], RolloutBatch]] | None = None) -> None:
+                 batches: Sequence[RolloutBatch | Callable[[], RolloutBatch]] | None = None,
+                 credits_unscorable: bool = False) -> None:
     """Assert the plugin contract; raises AssertionError listing every problem.
 
     Checks: a docstring; a pydantic ``Config`` forbidding extra keys whose fields all have
     defaults and descriptions; at least one hook, all in the spec; no near-miss member names;
     and, on edge-case batches (constant groups, NaN rewards, a single completion per group, an
-    all-dropped group, ragged lengths), outputs of the right shape, finite, and deterministic for
-    the same input. A stateful plugin's state, after those batches, must be plain data that
+    all-dropped group, ragged lengths), outputs of the right shape, finite, deterministic for
+    the same input, and 0 for dropped rows and for rows no reward function scored (every reward NaN
+    after shaping; ``credits_unscorable=True`` for a method that says otherwise). A stateful plugin's state, after those batches, must be plain data that
     survives ``torch.save``/``torch.load(weights_only=True)`` and ``load_state_dict`` into a fresh
     instance unchanged. Loss hooks (on `loss_inputs` of each batch) and ``augment_rollouts`` run through
     the host's checks too. Pass ``batches`` (batches or factories) to check on your own batches.
@@ -607,6 +609,11 @@ def check_plugin(plugin: type | str, config: dict[str, Any] | None = None, *,
             assert result.keep.shape == (n,), f"edge-case batch {i}: keep mask shape {tuple(result.keep.shape)}"
             assert torch.isfinite(result.advantages).all(), f"edge-case batch {i}: non-finite advantages"
             assert (result.advantages[~result.keep] == 0).all(), f"edge-case batch {i}: dropped rows got credit"
+            unscored = torch.isnan(result.rewards).all(dim=1).to(result.advantages.device)
+            assert credits_unscorable or (result.advantages[unscored] == 0).all(), (
+                f"edge-case batch {i}: rows no reward function scored got credit (TRL gives them 0): leave them "
+                "out of the credit and the statistics (batch.kept & batch.scorable), or pass credits_unscorable=True "
+                "if the method says otherwise")
             if attempt == 0:
                 first = result.advantages.clone()
             else:
