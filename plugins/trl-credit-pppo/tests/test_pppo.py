@@ -46,6 +46,15 @@ def test_loss_weights_through_the_host():
     assert token[2].sum() == 0 and token[3].tolist()[:7] == [1, 1, 1, 0, 0, 0, 0]  # ceil(2.1) = 3
 
 
+def test_the_trained_prefix_is_the_scored_one_when_a_generation_serves_several_steps():
+    import dataclasses
+
+    batch = make_batch([1, 0], 2, lengths=[10, 10], step=0)  # generated at step 0 (rho 0.2), trained at step 20
+    li = dataclasses.replace(loss_inputs(batch, torch.tensor([1.0, -1.0])), step=20)
+    token = run_loss(PPPO, li, {"ramp_steps": 40}).weights.token
+    assert token[0].tolist() == [1, 1] + [0] * 8  # rho(0) = 0.2 of 10 tokens, not rho(20) = 0.35
+
+
 def test_continuation_accumulated_reward():
     # prefix texts come from the ids via the tokenizer: use a real one so decode works
 

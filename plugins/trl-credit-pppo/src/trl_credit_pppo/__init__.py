@@ -121,7 +121,7 @@ class PPPO(Plugin):
 
     @hookimpl
     def loss_weights(self, loss: LossInputs) -> LossWeights:
-        rho = self.rho(loss.step)
+        rho = self.rho(loss.batch.step)  # the generation step: the prefix shape_rewards scored (steps_per_generation > 1)
         token = prefix_mask(loss.mask, rho)
         self.log_metric(loss.batch, "rho", rho)
         self.log_metric(loss.batch, "retained_fraction", float(token.sum() / loss.mask.sum().clamp(min=1.0)))
