@@ -86,8 +86,11 @@ HOOK_TEMPLATES = {
         '''    def compute_advantages(self, batch):
         import torch
 
-        rewards = batch.grouped(torch.nan_to_num(batch.total_reward(), nan=0.0))
-        centred = rewards - rewards.mean(dim=1, keepdim=True)
+        # a row no reward function scored is out of the mean and gets 0, as in TRL (check_plugin asserts it)
+        scored = batch.grouped(batch.scorable).float()
+        rewards = batch.grouped(torch.nan_to_num(batch.total_reward(), nan=0.0)) * scored
+        mean = rewards.sum(dim=1, keepdim=True) / scored.sum(dim=1, keepdim=True).clamp(min=1)
+        centred = (rewards - mean) * scored
         self.log_metric(batch, "scale", self.config.scale)
         return (centred * self.config.scale).reshape(-1)
 ''',
