@@ -35,7 +35,7 @@ TEXTS = ["1 + 1 = 2\nso 2 + 3 = 5\n5", "2 + 3 = 5\n5"]  # three steps, two steps
 P = {0: [0.1, 0.4, 0.5], 1: [0.2, 0.15]}  # gold probability before each turn
 
 
-def igpo_batch(texts=TEXTS, outcome=(1.0, 0.0), p=P, **kw):
+def igpo_batch(texts=TEXTS, outcome=(1.0, 0.0), p=P, gold=None, **kw):
     tok = tiny_tokenizer()
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     boundaries = {}  # (row, prefix end) -> P
@@ -45,7 +45,7 @@ def igpo_batch(texts=TEXTS, outcome=(1.0, 0.0), p=P, **kw):
         return [math.log(boundaries[(row, end)])] * n  # every token (cue and gold) at log P: the gold mean is log P
 
     batch = make_batch(list(outcome), len(texts), completion_ids=ids, completions=texts, tokenizer=tok,
-                       columns={"answer": ["5"] * len(texts)}, prefix_logps_fn=prefix_logps_fn, **kw)
+                       columns={"answer": gold or ["5"] * len(texts)}, prefix_logps_fn=prefix_logps_fn, **kw)
     from trl_credit import step_ends
 
     ends = step_ends(batch)
@@ -125,6 +125,20 @@ def test_edge_cases_empty_completion_one_step_and_nan_outcome():
     assert torch.equal(a[1], torch.zeros_like(a[1]))  # NaN outcome: its only turn gets 0
     # one-step completions hold only their outcome: pure outcome credit, sign of (o - mu)
     assert a[2, 0] < 0 < a[3, 0]
+
+
+def test_a_row_without_a_gold_answer_keeps_only_its_outcome():
+    # a third member with no gold answer (None): no prefix is scored for it (the scorer would raise), its steps
+    # earn no IG and enter no pool; its last step holds its outcome, which joins the pool as usual
+    texts = TEXTS + ["1 + 2 = 3\n3"]
+    batch, ids = igpo_batch(texts, outcome=(1.0, 0.0, 1.0), gold=["5", "5", None])
+    a = run_plugin(IGPO, batch).advantages
+    from trl_credit import token_steps
+
+    index, _ = token_steps(batch, r"\n+", fill=True)
+    first = index[2, : len(ids[2])] == 0
+    assert (a[2, : len(ids[2])][first] == a[2, len(ids[2]) - 1]).all()  # its first step carries its outcome's z only
+    assert a[2, len(ids[2]) - 1] > 0  # a correct outcome in a pool of [IG..., 1, 0, 1]
 
 
 def test_a_bad_pattern_is_a_config_error():
