@@ -99,6 +99,28 @@ def test_shaper_may_not_introduce_nan():
         run_plugin(Bad, make_batch([1, 0], num_generations=2))
 
 
+def test_a_new_column_may_stay_nan_on_unscored_rows_only():
+    class Bonus:
+        """Appends a bonus column: NaN on the rows given."""
+
+        from trl_credit import hookimpl
+
+        def __init__(self, nan_rows):
+            self.nan_rows = nan_rows
+
+        @hookimpl
+        def shape_rewards(self, batch):
+            bonus = torch.ones(batch.num_completions)
+            bonus[self.nan_rows] = math.nan
+            return {"bonus": bonus}
+
+    # row 1 is unscored (its reward None): NaN there keeps it unscored, and GRPO gives it 0
+    result = run_plugin(Bonus([1]), make_batch([1, None, 0, 1], num_generations=4))
+    assert not result.batch.scorable[1] and result.advantages[1] == 0 and result.batch.scorable[[0, 2, 3]].all()
+    with pytest.raises(PluginRuntimeError, match="NaN/inf rewards"):  # row 0 was scored: NaN there is refused
+        run_plugin(Bonus([0, 1]), make_batch([1, None, 0, 1], num_generations=4))
+
+
 def test_nan_rewards_are_kept_and_get_zero_advantage():
     result = run_plugin(fx.Passthrough, make_batch([1, None, 0, 1], num_generations=4))
     assert math.isnan(result.rewards[1, 0]) and result.advantages[1] == 0

@@ -65,7 +65,9 @@ def shape_rewards(batch: RolloutBatch) -> torch.Tensor | dict[str, Any] | None:
     :return: ``None`` (no change); a ``(N, K)`` tensor that replaces the matrix column for column;
         or a mapping ``{column: values}`` where ``values`` is ``(N,)`` or ``(values, weight)``:
         an existing column is replaced (its weight kept unless given), a new one is appended
-        (weight 1.0 unless given). A shaper may not introduce NaN where its input had none.
+        (weight 1.0 unless given). A shaper may not introduce NaN where its input had none; a new
+        column may be NaN only on rows no reward function scored (every input column NaN), which
+        keeps them unscorable (``batch.scorable``).
     Called once per generation round, on every rank, before filtering.
     """
 

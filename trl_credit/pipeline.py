@@ -176,7 +176,8 @@ class Pipeline:
                 self._fail(plugin, "shape_rewards", batch.step, f"a {type(out).__name__} (expected tensor, dict or None)")
             old_nan = torch.isnan(before)
             new_nan = torch.isnan(new[:, :k]) & ~old_nan
-            if new_nan.any() or torch.isnan(new[:, k:]).any() or torch.isinf(new).any():
+            unscored = old_nan.all(dim=1, keepdim=True) & (k > 0)  # a new column may leave these rows unscored
+            if new_nan.any() or (torch.isnan(new[:, k:]) & ~unscored).any() or torch.isinf(new).any():
                 self._fail(plugin, "shape_rewards", batch.step, "NaN/inf rewards where its input had finite values")
             batch.rewards = new
 

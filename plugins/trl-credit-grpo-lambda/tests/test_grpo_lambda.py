@@ -112,6 +112,10 @@ def test_separate_output_column():
     assert result.reward_names == ["accuracy", "length_reward"]
     assert result.rewards.tolist() == [[1, 0.5], [1, 0.0], [0, 0.0], [1, -0.5]]
     assert result.batch.total_reward().tolist() == [1.5, 1.0, 0.0, 0.5]
+    # a row no reward function scored stays unscored: NaN in the new column too, so GRPO still gives it 0
+    unscored = run_plugin(GrpoLambda, make_batch([1, None, 0, 1], 4, lengths=[100, 900, 200, 300],
+                                                 reward_names=["accuracy"]), {"output_column": "length_reward"})
+    assert math.isnan(unscored.rewards[1, 1]) and not unscored.batch.scorable[1] and unscored.advantages[1] == 0
 
 
 # ------------------------------------------------------------------------- edge cases

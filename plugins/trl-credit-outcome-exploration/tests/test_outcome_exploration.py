@@ -163,9 +163,9 @@ def test_nan_rewards_appended_column():
     # rows with every reward NaN get no bonus (stay 'no verdict'); a NaN in one column does not matter
     rewards = [[None, None], [1.0, None], [None, 0.0], [0.0, 1.0]]
     result = run(["3", "5", "7", "9"], rewards=rewards)
-    assert torch.isnan(result.rewards[0, :2]).all()
-    torch.testing.assert_close(bonus_of(result), torch.tensor([0.0, 1.0, 1.0, 1.0]))
-    assert torch.isfinite(result.advantages).all()
+    assert torch.isnan(result.rewards[0]).all()  # the bonus column too: the row stays unscorable
+    torch.testing.assert_close(bonus_of(result)[1:], torch.tensor([1.0, 1.0, 1.0]))
+    assert torch.isfinite(result.advantages).all() and result.advantages[0] == 0 and not result.batch.scorable[0]
     assert result.plugin.count(0, "3") == 1          # still counted as a sighting
 
 
@@ -197,8 +197,8 @@ def test_historical_on_correct_only():
     rewards = [[1.0], [0.0], [None], [1.0]]
     cfg = {**HIST_ONLY, "historical_on": "correct", "correct_column": "acc"}
     result = run(["3", "4", "5", "6"], cfg, rewards=rewards, reward_names=["acc"])
-    torch.testing.assert_close(bonus_of(result), torch.tensor([1.0, 0.0, 0.0, 1.0]))
-    assert result.plugin.total_count == 4                   # every answer is counted
+    torch.testing.assert_close(bonus_of(result), torch.tensor([1.0, 0.0, float("nan"), 1.0]), equal_nan=True)
+    assert result.plugin.total_count == 4                   # every answer is counted (row 2 has no verdict: NaN)
     assert result.plugin.required_rewards() == ["acc"]
 
 

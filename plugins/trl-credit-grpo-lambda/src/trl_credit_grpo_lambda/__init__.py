@@ -144,6 +144,6 @@ class GrpoLambda(Plugin):
                              bonus.sum() / rows.sum().clamp(min=1)]).tolist()       # one host sync
         self.log_metric(batch, "selected_fraction", stats[0])
         self.log_metric(batch, "length_reward_mean", stats[1])
-        if c.output_column is not None:
-            return {c.output_column: bonus.reshape(-1)}
+        if c.output_column is not None:  # a row no reward function scored stays unscored (NaN), as in TRL
+            return {c.output_column: torch.where(batch.scorable, bonus.reshape(-1), math.nan)}
         return {name: (r + bonus).reshape(-1)}                         # NaN + x stays NaN

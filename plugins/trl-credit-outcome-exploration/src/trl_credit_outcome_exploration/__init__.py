@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -395,5 +396,6 @@ class OutcomeExploration(Plugin):
 
         if cfg.add_to is not None:
             return {cfg.add_to: batch.reward(cfg.add_to) + cfg.weight * bonus}
-        return {cfg.column: (bonus, cfg.weight)}
+        # a new column stays NaN on a no-verdict row, so the row stays unscorable (GRPO: out of the baseline, 0)
+        return {cfg.column: (bonus.masked_fill(no_verdict, math.nan), cfg.weight)}
 
