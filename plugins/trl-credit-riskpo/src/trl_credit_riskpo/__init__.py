@@ -26,7 +26,7 @@ Formula (bundle b, question q = 1..K, paper p = 1..G, r the reward, eps = 1e-6):
 Source: Ren et al. 2025, "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM
 Post-Training". [code] RTkenny/RiskPO@65ec40c9 ``verl/trainer/ppo/core_algos.py``
 (``compute_grpo_bundle_rvar_outcome_advantage_quantile_tracking``), ``verl/trainer/ppo/ray_trainer.py``
-(bundle ids: consecutive prompts, ``i % bundle_size``; the SGD quantile tracker) and
+(bundles of consecutive prompts: prompt ``i`` in bundle ``i // bundle_size``; the SGD quantile tracker) and
 ``scripts/run_qwen2.5_1.5b_MVaR_dapomath.sh``. Facts read there, code written here.
 
 Defaults from the hard-math (DAPO-math) script: alpha = 0.2, beta = 0.8, bundle_size = 5, w = 1.5
