@@ -55,6 +55,9 @@ def test_no_hints_during_the_warm_up_and_only_for_stagnant_groups():
     assert p.streak == {0: 1, 2: 1}  # the diagnosis runs during the warm-up too
     out = p.augment_rollouts(plain([FAIL, ONE, [0, None, 0, 0]], step=2))  # NaN counts as a fail
     assert [r.group for r in out] == [0, 2] and p.streak == {0: 2, 2: 2}
+    # a group with no verdict at all is no failure: no hint is spent on it, and its streak resets
+    q = plugin()
+    assert [r.group for r in q.augment_rollouts(plain([FAIL, [None] * 4], step=2))] == [0] and q.streak == {0: 1}
     assert out[0].prompt == [{"role": "user", "content": "What is 0 + 0? Hint: addition"}]
     assert out[0].context == CTX[0] and out[0].train_on_source and not out[0].replace
     assert failed_groups(torch.tensor([0.0, 0.4, 0.6, 0.0]), 2, 0.5).tolist() == [True, False]

@@ -186,12 +186,14 @@ class ScafGRPO(Plugin):
                              f"(got {max_steps}); set warmup_steps")
         return math.ceil(cfg.warmup_fraction * max_steps)
 
+    def _outcome(self, batch: RolloutBatch) -> torch.Tensor:
+        cfg = self.config
+        return batch.reward(cfg.outcome_reward) if cfg.outcome_reward else batch.total_reward()
+
     def _passed(self, batch: RolloutBatch) -> torch.Tensor:
         import torch
 
-        cfg = self.config
-        rewards = batch.reward(cfg.outcome_reward) if cfg.outcome_reward else batch.total_reward()
-        return torch.nan_to_num(rewards, nan=float("-inf")) >= cfg.threshold
+        return torch.nan_to_num(self._outcome(batch), nan=float("-inf")) >= self.config.threshold
 
     def _row_tiers(self, batch: RolloutBatch) -> torch.Tensor | None:
         """``(N,)`` long: the tier (0-based) of this plugin's hinted rows, -1 elsewhere; None without marks."""
@@ -226,7 +228,8 @@ class ScafGRPO(Plugin):
         import torch
 
         cfg, g = self.config, batch.num_generations
-        failed = ~batch.grouped(self._passed(batch)).any(dim=1)  # (M,)
+        scored = batch.grouped(~torch.isnan(self._outcome(batch))).any(dim=1)  # a group with no verdict is no failure
+        failed = ~batch.grouped(self._passed(batch)).any(dim=1) & scored  # (M,)
         marks = batch.columns.get(AUGMENTED) or [None] * batch.num_completions
         index = batch.prompt_index.tolist()
         streaks = []
