@@ -30,6 +30,8 @@ def test_only_all_fail_groups_get_a_hint():
     assert out[0].prompt == [{"role": "user", "content": "What is 0 + 0? Hint: add them"}]
     assert out[0].train_on_source and not out[0].replace and out[0].context == "guide hint"
     assert failed_groups(torch.tensor([0.0, 0.4, 0.6, 0.0]), 2, 0.5).tolist() == [True, False]
+    nan = float("nan")  # a NaN fails beside a scored 0; a group with no reward at all is not a failure
+    assert failed_groups(torch.tensor([nan, 0.0, nan, nan]), 2, 0.5).tolist() == [True, False]
 
 
 def test_a_hint_that_contains_the_answer_is_skipped_unless_allowed():

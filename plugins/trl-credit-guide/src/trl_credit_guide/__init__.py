@@ -44,11 +44,13 @@ AUGMENTED = "trl_credit_augmented"  # the host's batch column marking augmented 
 
 
 def failed_groups(rewards: torch.Tensor, num_generations: int, threshold: float) -> torch.Tensor:
-    """``(N // G,)`` bool: every completion of the group scored below ``threshold`` (NaN counts as a fail)."""
+    """``(N // G,)`` bool: every completion of the group scored below ``threshold`` (NaN counts as a fail), and
+    some completion was scored (a group no reward function scored is no failure: no hint is spent on it)."""
     import torch
 
     ok = torch.nan_to_num(rewards, nan=float("-inf")) >= threshold
-    return ~ok.reshape(-1, num_generations).any(dim=1)
+    scored = ~torch.isnan(rewards).reshape(-1, num_generations).all(dim=1)
+    return ~ok.reshape(-1, num_generations).any(dim=1) & scored
 
 
 def hinted_prompt(prompt: Any, hint: str, template: str) -> Any:
