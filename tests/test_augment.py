@@ -130,6 +130,10 @@ def test_train_on_source_scores_after_the_own_prompt_against_the_hinted_behaviou
     mask = out["completion_mask"].float()
     torch.testing.assert_close(out["old_per_token_logps"][8:] * mask[8:], hinted[8:, :t], rtol=1e-4, atol=1e-5)
     assert not torch.allclose(hinted[8:], plain[8:])  # the ratio pi(y|x) / pi_old(y|x + hint) is not 1
+    # the correction's extra passes report their cost: old log-probs of the round's 8 rows and the 4 hinted ones
+    logged = trainer._metrics["train"]
+    assert logged["trl_credit/cost/source_logps_seconds"][-1] > 0
+    assert logged["trl_credit/cost/source_logps_sequences"][-1] == 12
 
 
 def test_with_context_adds_text_without_touching_the_prompt():

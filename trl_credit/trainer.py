@@ -379,9 +379,13 @@ class CreditGRPOTrainer(GRPOTrainer):
         return output, combined
 
     def _train_on_source(self, output: dict[str, Any], extra: dict[str, Any], sources: list) -> None:
-        """Augmented rows with a source prompt: old log-probs = what sampled them, prompt ids = the source prompt."""
+        """Augmented rows with a source prompt: old log-probs = what sampled them, prompt ids = the source prompt.
+
+        The extra passes are logged as ``trl_credit/cost/source_logps_seconds`` and ``_sequences``."""
+        clock, sequences = time.perf_counter(), 0
         for out in (output, extra):  # the behaviour log-probs, for every row (TRL skips them on-policy)
             _store_old_logps(self, out)
+            sequences += out["completion_ids"].shape[0]
         device = extra["prompt_ids"].device
         own = [ids[mask.bool()].tolist() for ids, mask in zip(extra["prompt_ids"], extra["prompt_mask"])]
         swapped = [i for i, source in enumerate(sources) if source is not None]
@@ -396,6 +400,9 @@ class CreditGRPOTrainer(GRPOTrainer):
         extra["prompt_ids"], extra["prompt_mask"] = prompt_ids, prompt_mask
         if extra.get("ref_per_token_logps") is not None:  # the KL term, after the source prompt too
             extra["ref_per_token_logps"] = TrainerScorer(self, extra)._forward(use_reference=True)[0].detach()
+            sequences += extra["completion_ids"].shape[0]
+        self._cost("source_logps_seconds", time.perf_counter() - clock)
+        self._cost("source_logps_sequences", float(sequences))
 
     def _finish(self, output: dict[str, Any], batch: RolloutBatch, rounds: list, extra_tokens: int,
                 budget_hit: bool) -> dict[str, Any]:
