@@ -31,6 +31,9 @@ def test_token_rewards_vector_and_terminal_rule():
     torch.testing.assert_close(r, torch.tensor([[-0.5, 1.0], [-1.5, -2.5]]))
     kept = endogenous_rewards(Q, V, mask, torch.tensor([True, False]), terminal="logits")
     assert kept[0, 1].item() == pytest.approx(0.0)  # 1 - V(s_2) = 1 - 1
+    # a shorter row (one token) that ended: V after its own last token is 0, not V after the batch's width
+    short = endogenous_rewards(Q, V, torch.tensor([[1.0, 1.0], [1.0, 0.0]]), torch.tensor([True, True]))
+    torch.testing.assert_close(short, torch.tensor([[-0.5, 1.0], [0.5, 0.0]]))  # row 1: 0.5 - 0, then padding
 
 
 def test_the_sum_telescopes_to_log_likelihood_plus_values():
