@@ -165,3 +165,10 @@ def test_answer_prefix_is_the_cue_after_its_last_think_close():
     assert answer_prefix("a</think>b</think>  c") == "c"  # the last one
     assert answer_prefix("  My final answer is") == "My final answer is"  # no </think>: only stripped
     assert answer_prefix("\n</think>") == ""
+
+
+def test_has_answer_reads_missing_cells_as_no_answer():
+    from trl_credit import has_answer
+
+    assert [has_answer(v) for v in (None, float("nan"), "", "  ", "5", 0, 0.0, "None")] == \
+        [False, False, False, False, True, True, True, True]

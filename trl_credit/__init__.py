@@ -11,7 +11,7 @@ a test keeps it so. Heavy names are imported lazily so that ``trl-credit plugins
   `Probes`
 - shared pieces: step segmentation and scorers (`StepConfig`, `split_steps`, `token_steps`, `step_ends`, `turn_ends`, `carry_forward`, `token_char_offsets`, `discounted_returns`,
   `step_scores`, `score_steps`, `resolve_step_scorer`, `pad_step_scores`), answer extraction
-  (`completion_text`, `last_number`, `answer_prefix`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`), pooled group normalisation (`group_normalise`)
+  (`completion_text`, `last_number`, `answer_prefix`, `has_answer`), the built-in GRPO estimator (`GRPOAdvantage`, `grpo_advantages`), pooled group normalisation (`group_normalise`)
 - auxiliary LoRA adapters a plugin owns (`Plugin.adapters()`, `Plugin.adapter(name)`): `Adapter`,
   `AdapterHandle`
 - option types for a plugin's `Config`: `Regex`, `AnswerTemplate`
@@ -58,6 +58,7 @@ _LAZY = {
     "completion_text": "trl_credit.answers",
     "last_number": "trl_credit.answers",
     "answer_prefix": "trl_credit.answers",
+    "has_answer": "trl_credit.answers",
     "GRPOAdvantage": "trl_credit.builtin",
     "grpo_advantages": "trl_credit.builtin",
     "group_normalise": "trl_credit.builtin",

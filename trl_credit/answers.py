@@ -3,12 +3,13 @@ part of a probe cue."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["NUMBER_PATTERN", "answer_prefix", "completion_text", "last_number"]
+__all__ = ["NUMBER_PATTERN", "answer_prefix", "completion_text", "has_answer", "last_number"]
 
 # A number: optional minus (only when not glued to a preceding digit, so "5-3" reads as 5 and 3),
 # digits with optional thousands separators, optional decimals (so "12.0" reads as 12).
@@ -45,3 +46,10 @@ def answer_prefix(cue: str) -> str:
     reward functions then see ``answer_prefix(cue) + answer``, the answer with the words that introduce it.
     """
     return cue.rsplit("</think>", 1)[-1].lstrip()
+
+
+def has_answer(value: Any) -> bool:
+    """A dataset's gold answer is present: not None, not a float NaN (a missing cell), not empty after stripping."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    return bool(str(value).strip())

@@ -61,6 +61,8 @@ def test_no_hints_during_the_warm_up_and_only_for_stagnant_groups():
     assert out[0].prompt == [{"role": "user", "content": "What is 0 + 0? Hint: addition"}]
     assert out[0].context == CTX[0] and out[0].train_on_source and not out[0].replace
     assert failed_groups(torch.tensor([0.0, 0.4, 0.6, 0.0]), 2, 0.5).tolist() == [True, False]
+    nan = float("nan")  # a NaN fails beside a scored 0; a group with no reward at all is not a failure
+    assert failed_groups(torch.tensor([nan, 0.0, nan, nan]), 2, 0.5).tolist() == [True, False]
     # warmup_fraction: W = ceil(0.15 * 20) = 3
     p = plugin_set(ScafGRPO, {}).plugins[0].instance
     assert p.augment_rollouts(plain([FAIL], step=2, max_steps=20)) == []

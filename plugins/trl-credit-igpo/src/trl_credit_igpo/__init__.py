@@ -38,12 +38,11 @@ long completion (earlier steps merge into the first kept one), bounding the scor
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import Plugin, Regex, discounted_returns, hookimpl, step_ends, token_steps
+from trl_credit import Plugin, Regex, discounted_returns, has_answer, hookimpl, step_ends, token_steps
 
 if TYPE_CHECKING:
     import torch
@@ -53,13 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["IGPO", "accumulate", "information_gain", "normalise"]
 
 IGPO_CUE = "\nNow there's enough information to answer\n</think>\n<answer>\n"
-
-
-def _has_gold(value) -> bool:
-    """A gold answer is present: not None, not a float NaN, not empty after stripping."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return False
-    return bool(str(value).strip())
 
 
 def information_gain(p: torch.Tensor, turns: torch.Tensor, outcome: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +120,7 @@ class IGPO(Plugin):
     def gold_probability(self, batch: RolloutBatch, ends: torch.Tensor) -> torch.Tensor:
         """``(N, K)`` P: exp of the mean log-prob of the gold tokens after each prefix and the cue (NaN where
         ``ends < 0``); the cue is context, not scored."""
-        gold = ["" if a is None else str(a) for a in batch.column(self.config.column)]
+        gold = [str(a) for a in batch.column(self.config.column)]
         mean = batch.prefix_logps(ends, gold, model=self.config.model, reduce="mean", context=self.config.cue)
         return mean.exp()
 
@@ -183,13 +175,13 @@ class IGPO(Plugin):
                                      else self._step_segments(batch))
         k = before.shape[1]
         scorable = batch.scorable.to(before.device)  # no reward function scored it: not scored, no statistics, 0
-        gold = torch.tensor([_has_gold(a) for a in batch.column(cfg.column)], dtype=torch.bool, device=before.device)
-        before = torch.where((scorable & gold).unsqueeze(1), before, -1)  # no gold answer: no IG, the outcome stays
+        has_gold = torch.tensor([has_answer(a) for a in batch.column(cfg.column)], dtype=torch.bool, device=before.device)
+        before = torch.where((scorable & has_gold).unsqueeze(1), before, -1)  # no gold answer: no IG, the outcome stays
         p = self.gold_probability(batch, before).nan_to_num(0.0)
         outcome = batch.reward(cfg.reward) if cfg.reward else batch.total_reward()
         rewards, valid = information_gain(p, turns.to(p.device), outcome.to(p.device))
         last = torch.arange(k, device=p.device).unsqueeze(0) == (turns.to(p.device) - 1).unsqueeze(1)
-        valid = valid & scorable.to(p.device).unsqueeze(1) & (gold.to(p.device).unsqueeze(1) | last)
+        valid = valid & scorable.to(p.device).unsqueeze(1) & (has_gold.to(p.device).unsqueeze(1) | last)
         g = batch.num_generations
         if cfg.mode == "joint":
             z = normalise(rewards, valid, g)

@@ -74,11 +74,13 @@ SOURCE_PROMPT = "trl_credit_source_prompt"  # the host's batch column: the promp
 
 
 def failed_groups(rewards: torch.Tensor, num_generations: int, threshold: float) -> torch.Tensor:
-    """``(N // G,)`` bool: every completion of the group scored below ``threshold`` (NaN counts as a fail)."""
+    """``(N // G,)`` bool: every completion of the group scored below ``threshold`` (NaN counts as a fail), and
+    some completion was scored (a group no reward function scored is no failure: no hint is spent on it)."""
     import torch
 
     ok = torch.nan_to_num(rewards, nan=float("-inf")) >= threshold
-    return ~ok.reshape(-1, num_generations).any(dim=1)
+    scored = ~torch.isnan(rewards).reshape(-1, num_generations).all(dim=1)
+    return ~ok.reshape(-1, num_generations).any(dim=1) & scored
 
 
 def hinted_prompt(prompt: Any, hint: str, template: str) -> Any:
@@ -228,8 +230,7 @@ class ScafGRPO(Plugin):
         import torch
 
         cfg, g = self.config, batch.num_generations
-        scored = batch.grouped(~torch.isnan(self._outcome(batch))).any(dim=1)  # a group with no verdict is no failure
-        failed = ~batch.grouped(self._passed(batch)).any(dim=1) & scored  # (M,)
+        failed = failed_groups(self._outcome(batch), g, cfg.threshold)  # (M,); a group with no verdict is no failure
         marks = batch.columns.get(AUGMENTED) or [None] * batch.num_completions
         index = batch.prompt_index.tolist()
         streaks = []

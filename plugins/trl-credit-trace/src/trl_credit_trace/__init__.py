@@ -53,12 +53,11 @@ Chosen here (offered as options where there is a reading to choose):
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trl_credit import AnswerTemplate, Plugin, Regex, hookimpl, step_ends, turn_ends
+from trl_credit import AnswerTemplate, Plugin, Regex, has_answer, hookimpl, step_ends, turn_ends
 
 if TYPE_CHECKING:
     import torch
@@ -112,13 +111,6 @@ def step_of_tokens(ends: torch.Tensor, width: int) -> torch.Tensor:
     return torch.searchsorted(bounded, position, right=True)
 
 
-def _has_answer(value) -> bool:
-    """A gold answer is present: not None, not a float NaN, not empty after stripping."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return False
-    return bool(str(value).strip())
-
-
 class TRACE(Plugin):
     """TRACE step mode: V(s_k) = log pi_ref(y*|s_k) - log pi_ref(y*|s_0), r_k = V(s_k) - V(s_k-1), as token credit."""
 
@@ -169,7 +161,7 @@ class TRACE(Plugin):
         cfg = self.config
         n, width = batch.num_completions, batch.width
         answers = batch.column(cfg.column)
-        has_gold = torch.tensor([_has_answer(a) for a in answers], dtype=torch.bool)
+        has_gold = torch.tensor([has_answer(a) for a in answers], dtype=torch.bool)
         gold = [str(a).strip() if ok else "" for a, ok in zip(answers, has_gold.tolist())]
         ends = (turn_ends(batch, cfg.max_steps) if cfg.segments == "turns"  # (N, K) ends of the kept steps
                 else step_ends(batch, cfg.pattern, cfg.max_steps)).cpu()
