@@ -1,4 +1,6 @@
-"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes N` (CPU, gloo).
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes N` (CPU, gloo):
+``distributed_worker.py OUT_DIR MODE[,MODE...]`` trains in each mode in turn, in the same processes, each with
+its own output folder ``OUT_DIR/MODE``, and saves every rank's records as ``OUT_DIR/MODE-rank{r}.pt``.
 
 Mode ``pipeline`` (default): trains 2 steps on the tiny model with whole-group plugins (a
 constant-group filter with refill and a token-credit transform) and saves, per rank, the gathered
@@ -30,8 +32,7 @@ from trl_credit.testing.tiny import tiny_model_path
 from trl_credit.trainer import CreditGRPOTrainer
 
 torch.set_num_threads(1)
-out_dir = sys.argv[1]
-mode = sys.argv[2] if len(sys.argv) > 2 else "pipeline"
+mode = "pipeline"  # the mode running now (run() sets it; ToolTurns reads it)
 records = []
 loss_checks = []
 
@@ -121,56 +122,72 @@ class MidPassRate:
         return torch.where(torch.isnan(p), torch.ones_like(p), p * (1 - p) + 0.01)
 
 
-if mode in ("tools", "environment"):
-    import os
+def run(out_dir: str, name: str) -> None:
+    """Train in mode ``name`` with its own output folder ``out_dir/name`` (``resume`` continues ``resume-part``'s)
+    and save this rank's records as ``out_dir/name-rank{r}.pt``."""
+    global mode
+    mode = name
+    records.clear()
+    loss_checks.clear()
+    run_dir = f"{out_dir}/resume-part" if mode == "resume" else f"{out_dir}/{mode}"
+    if mode in ("tools", "environment"):
+        import os
 
-    import scripted_tools as st
+        import scripted_tools as st
 
-    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=128,
-                      max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                      seed=0, learning_rate=1e-3)
-    extra = ({"tools": [st.add], "reward_funcs": [st.digit_reward],
-              "plugins": [{"name": fx.DropConstant, "max_refill_rounds": 2}, ToolTurns]} if mode == "tools" else
-             {"environment_factory": st.AddEnvironment, "reward_funcs": [st.env_reward], "plugins": [ToolTurns]})
-    trainer = st.ScriptedToolTrainer(model=tiny_model_path(), args=args, train_dataset=make_arithmetic(64, seed=1),
-                                     processing_class=st.chatml_tool_tokenizer(), **extra)
-    trainer.train()
-    torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
-                "log_history": trainer.state.log_history}, f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
-    sys.exit(0)
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+        args = GRPOConfig(output_dir=run_dir, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=128, max_steps=2, logging_steps=1, report_to="none",
+                          save_strategy="no", use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
+        extra = ({"tools": [st.add], "reward_funcs": [st.digit_reward],
+                  "plugins": [{"name": fx.DropConstant, "max_refill_rounds": 2}, ToolTurns]} if mode == "tools" else
+                 {"environment_factory": st.AddEnvironment, "reward_funcs": [st.env_reward], "plugins": [ToolTurns]})
+        trainer = st.ScriptedToolTrainer(model=tiny_model_path(), args=args, train_dataset=make_arithmetic(64, seed=1),
+                                         processing_class=st.chatml_tool_tokenizer(), **extra)
+        trainer.train()
+        torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
+                    "log_history": trainer.state.log_history},
+                   f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
+        return
 
-resuming = mode.startswith("resume")
-steps = 4 if mode == "curriculum" or resuming else 2
-args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
-                  max_steps=steps, logging_steps=1, report_to="none", save_strategy="steps" if resuming else "no",
-                  save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
-plugins = ([MidPassRate, Record] if mode == "curriculum" else [HintTwoGroups, RowsCheck, Record] if mode == "augment"
-           else [{"name": fx.AuxPRM, "ema": 0.5}, Record] if mode == "adapter"
-           else [DenseScores] if mode == "dense"
-           else [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
-peft_config = None
-if mode == "adapter":
-    from peft import LoraConfig
+    resuming = mode.startswith("resume")
+    steps = 4 if mode == "curriculum" or resuming else 2
+    args = GRPOConfig(output_dir=run_dir, per_device_train_batch_size=6, num_generations=4, max_completion_length=8,
+                      max_steps=steps, logging_steps=1, report_to="none", save_strategy="steps" if resuming else "no",
+                      save_steps=2, use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
+    plugins = ([MidPassRate, Record] if mode == "curriculum" else [HintTwoGroups, RowsCheck, Record] if mode == "augment"
+               else [{"name": fx.AuxPRM, "ema": 0.5}, Record] if mode == "adapter"
+               else [DenseScores] if mode == "dense"
+               else [{"name": fx.DropConstant, "max_refill_rounds": 4}, fx.TokenCredit, Record])
+    peft_config = None
+    if mode == "adapter":
+        from peft import LoraConfig
 
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args, peft_config=peft_config,
-                         train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
-if mode == "resume-part":
-    from transformers import TrainerCallback
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = CreditRecorder(model=tiny_model_path(), reward_funcs=[reward], args=args, peft_config=peft_config,
+                             train_dataset=make_arithmetic(16 if mode == "curriculum" else 64, seed=0), plugins=plugins)
+    if mode == "resume-part":
+        from transformers import TrainerCallback
 
-    class StopAt2(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 2
+        class StopAt2(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                control.should_training_stop = state.global_step == 2
 
-    trainer.add_callback(StopAt2())
-trainer.train(resume_from_checkpoint=f"{out_dir}/checkpoint-2" if mode == "resume" else None)
-rank = trainer.accelerator.process_index
-adapters = {}
-if mode == "adapter":
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    records.append({"updates": [r for _, r, _ in trainer.credit_plugins.plugins[0].instance.seen]})
-torch.save({"adapters": adapters, "world": trainer.accelerator.num_processes, "records": records, "mode": mode, "log_history": trainer.state.log_history,
-            "prompt_stats": trainer.prompt_stats.state_dict(), "loss_checks": loss_checks},
-           f"{out_dir}/{mode}-rank{rank}.pt")
+        trainer.add_callback(StopAt2())
+    trainer.train(resume_from_checkpoint=f"{run_dir}/checkpoint-2" if mode == "resume" else None)
+    rank = trainer.accelerator.process_index
+    adapters = {}
+    if mode == "adapter":
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+        records.append({"updates": [r for _, r, _ in trainer.credit_plugins.plugins[0].instance.seen]})
+    torch.save({"adapters": adapters, "world": trainer.accelerator.num_processes, "records": records, "mode": mode,
+                "log_history": trainer.state.log_history, "prompt_stats": trainer.prompt_stats.state_dict(),
+                "loss_checks": loss_checks}, f"{out_dir}/{mode}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    # several modes in one launch (one after the other, in the same two processes): starting two processes
+    # costs more than most modes' training
+    for name in (sys.argv[2] if len(sys.argv) > 2 else "pipeline").split(","):
+        run(sys.argv[1], name)

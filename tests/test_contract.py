@@ -279,6 +279,22 @@ def test_plugins_pin_a_compatible_host_range(plugin_dir):
     assert len(host) == 1 and re.fullmatch(rf"trl-credit>={major}\.{minor}(\.\d+)?,<{major}\.{minor + 1}", host[0]), host
 
 
+def test_every_package_builds_with_the_setuptools_the_install_pins():
+    """The README installs the plugins with ``--no-build-isolation``, i.e. with the environment's setuptools, which
+    its first install pins: every package (host, plugins, the ``new-plugin`` skeleton) declares that same range."""
+    from trl_credit.app.new_plugin import PYPROJECT
+
+    readme = (ROOT / "README.md").read_text()
+    pinned = set(re.findall(r'pip install torch==[\d.]+ "(setuptools[^"]+)"', readme))
+    assert len(pinned) == 1 and readme.count("--no-build-isolation ./plugins/*/") == 2, pinned
+    requires = {str(p.relative_to(ROOT)): tomllib.loads(p.read_text())["build-system"]["requires"]
+                for p in [ROOT / "pyproject.toml", *(d / "pyproject.toml" for d in PLUGIN_DIRS)]}
+    requires["new-plugin skeleton"] = tomllib.loads(PYPROJECT.format(dist="x", title="x", host_requirement="x",
+                                                                     name="x", module="x", cls="X"))["build-system"]["requires"]
+    bad = {k: v for k, v in requires.items() if v != sorted(pinned)}
+    assert not bad, bad
+
+
 def test_host_version_matches_pyproject():
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == trl_credit.__version__
 

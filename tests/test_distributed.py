@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +18,44 @@ from trl_credit.testing import make_batch, run_plugin
 HERE = Path(__file__).parent
 
 
-def launch_two(tmp_path, mode: str, port: int) -> list[dict]:
-    """Run distributed_worker.py on two CPU processes; the per-rank records it saved. ``port``: one per call site
-    (the suite runs on two pytest-xdist workers, so two launches may be alive at once)."""
+# Every mode but ``resume`` in one launch, then ``resume`` in a fresh pair of processes (it must start from
+# the checkpoint alone): starting two processes costs more than most modes' training. The module's tests share
+# these two launches, so they run on one pytest-xdist worker (``--dist loadfile``: a module-scoped fixture is set
+# up once per worker that runs one of its tests; under ``--dist load`` both workers would launch).
+FIRST = ("pipeline", "curriculum", "augment", "adapter", "dense", "tools", "environment", "resume-full", "resume-part")
+
+
+def launch_two(out_dir: Path, modes: tuple[str, ...]) -> None:
+    """Run distributed_worker.py on two CPU processes, in each of ``modes`` in turn (on a free port: without
+    ``--dist loadfile`` two pytest-xdist workers may launch at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           str(HERE / "distributed_worker.py"), str(tmp_path), mode]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           str(HERE / "distributed_worker.py"), str(out_dir), ",".join(modes)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return [torch.load(tmp_path / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model):
+    """The two launches' folder; ``ranks(mode)`` reads a mode's per-rank records from it."""
+    out = tmp_path_factory.mktemp("distributed")
+    launch_two(out, FIRST)
+    launch_two(out, ("resume",))
+    return out
+
+
+@pytest.fixture
+def ranks(launched):
+    return lambda mode: [torch.load(launched / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.distributed
-def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_model):
-    ranks = launch_two(tmp_path, "pipeline", 29533)
+def test_two_processes_match_one_process_on_the_same_samples(ranks):
+    ranks = ranks("pipeline")
     assert [r["world"] for r in ranks] == [2, 2], "accelerate must really start two processes"
     steps0, steps1 = ranks[0]["records"], ranks[1]["records"]
     assert len(steps0) == len(steps1) == 2
@@ -59,8 +83,8 @@ def test_two_processes_match_one_process_on_the_same_samples(tmp_path, tiny_mode
 
 
 @pytest.mark.distributed
-def test_curriculum_draws_the_same_prompts_on_every_process(tmp_path, tiny_model):
-    ranks = launch_two(tmp_path, "curriculum", 29534)
+def test_curriculum_draws_the_same_prompts_on_every_process(ranks):
+    ranks = ranks("curriculum")
     assert [r["world"] for r in ranks] == [2, 2]
     steps0, steps1 = ranks[0]["records"], ranks[1]["records"]
     assert len(steps0) == len(steps1) == 4
@@ -77,11 +101,10 @@ def test_curriculum_draws_the_same_prompts_on_every_process(tmp_path, tiny_model
 
 
 @pytest.mark.distributed
-def test_resume_with_refill_is_exact_on_two_processes(tmp_path, tiny_model):
-    """4 uninterrupted steps equal 2 + resume + 2 on two processes: same prompts, rewards and losses."""
-    full = launch_two(tmp_path / "full", "resume-full", 29535)
-    first = launch_two(tmp_path / "part", "resume-part", 29536)
-    second = launch_two(tmp_path / "part", "resume", 29537)
+def test_resume_with_refill_is_exact_on_two_processes(ranks):
+    """4 uninterrupted steps equal 2 + resume (fresh processes) + 2 on two processes: same prompts, rewards and
+    losses."""
+    full, first, second = ranks("resume-full"), ranks("resume-part"), ranks("resume")
     for rank in range(2):
         seen = [(r["prompt_index"].tolist(), r["rewards"].tolist()) for r in first[rank]["records"] + second[rank]["records"]]
         assert seen == [(r["prompt_index"].tolist(), r["rewards"].tolist()) for r in full[rank]["records"]]
@@ -93,10 +116,10 @@ def test_resume_with_refill_is_exact_on_two_processes(tmp_path, tiny_model):
 
 
 @pytest.mark.distributed
-def test_augmentation_and_loss_rows_on_two_processes(tmp_path, tiny_model):
+def test_augmentation_and_loss_rows_on_two_processes(ranks):
     """Extra generation splits its requests over the ranks; every rank sees the same augmented batch, and
     each micro-batch's ``rows`` point at that rank's own completions."""
-    ranks = launch_two(tmp_path, "augment", 29538)
+    ranks = ranks("augment")
     assert [r["world"] for r in ranks] == [2, 2]
     for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
         assert a["completion_ids"].shape[0] == 20  # 3 groups + 2 hinted ones, 10 rows per rank
@@ -111,8 +134,8 @@ def test_augmentation_and_loss_rows_on_two_processes(tmp_path, tiny_model):
 
 
 @pytest.mark.distributed
-def test_auxiliary_adapters_are_the_same_on_two_processes(tmp_path, tiny_model):
-    ranks = launch_two(tmp_path, "adapter", 29540)
+def test_auxiliary_adapters_are_the_same_on_two_processes(ranks):
+    ranks = ranks("adapter")
     assert [r["world"] for r in ranks] == [2, 2]
     a, b = ranks[0]["adapters"], ranks[1]["adapters"]
     prm = [n for n in a if ".tc_aux_prm_prm." in n]
@@ -130,10 +153,10 @@ def test_auxiliary_adapters_are_the_same_on_two_processes(tmp_path, tiny_model):
 
 
 @pytest.mark.distributed
-def test_extra_scorers_are_collective_and_score_every_row_once(tmp_path, tiny_model):
+def test_extra_scorers_are_collective_and_score_every_row_once(ranks):
     """prefix_logps, probe, score_texts and soft_values: each rank scores its own rows and the results are
     combined, so both ranks hold the same, complete values (no row missing, none counted twice)."""
-    ranks = launch_two(tmp_path, "dense", 29539)
+    ranks = ranks("dense")
     assert [r["world"] for r in ranks] == [2, 2]
     steps = [[r for r in rank["records"] if "prefix" in r] for rank in ranks]
     assert len(steps[0]) == len(steps[1]) == 2
@@ -151,15 +174,15 @@ def test_extra_scorers_are_collective_and_score_every_row_once(tmp_path, tiny_mo
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode,port", [("tools", 29541), ("environment", 29543)])
-def test_tool_and_environment_paths_on_two_processes(tmp_path, tiny_model, mode, port):
+@pytest.mark.parametrize("mode", ["tools", "environment"])
+def test_tool_and_environment_paths_on_two_processes(ranks, mode):
     """TRL's tool loop on each rank's own rows; every rank sees the same gathered turns, calls, failures and
     environment values, and each row's are what the script did for its prompt."""
     import math
 
     import scripted_tools as st
 
-    ranks = launch_two(tmp_path, mode, port)
+    ranks = ranks(mode)
     assert [r["world"] for r in ranks] == [2, 2]
     a_steps, b_steps = ranks[0]["records"], ranks[1]["records"]
     assert len(a_steps) == len(b_steps) == 2

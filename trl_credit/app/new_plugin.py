@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 PYPROJECT = '''[build-system]
-requires = ["setuptools>=68"]
+requires = ["setuptools>=77,<85"]
 build-backend = "setuptools.build_meta"
 
 [project]
