@@ -15,6 +15,8 @@ Mode ``dense``: 2 steps with a plugin that calls every extra scorer (prefix_logp
 score_texts, soft_values) and keeps what it got, with the policy's log-probs to check them against.
 Mode ``augment``: 2 steps where an ``augment_rollouts`` plugin adds two hinted groups and a loss plugin
 checks, in every micro-batch, that its ``rows`` point at its own completions in the gathered batch.
+Mode ``rollout``: 2 steps of a scripted ``rollout_func`` returning ``env_mask`` and per-turn fields (the kit's
+`ScriptedTurns`), with a constant-group filter and refill; saves each batch's turns and its per-turn progress.
 Modes ``tools`` / ``environment``: 2 steps of TRL's own tool loop with scripted sampling (tests/scripted_tools.py),
 with refill in ``tools``; saves each batch's turns, tool calls and failures and the environment's per-turn values.
 """
@@ -103,6 +105,18 @@ class ToolTurns:
                         "values": batch.turn_values("total").cpu() if mode == "environment" else None})
 
 
+class RolloutTurns:
+    """Keeps every finished batch's turns, ids, kept groups and the rollout's per-turn progress."""
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        turns = batch.turns()
+        records.append({"prompts": batch.prompts, "count": turns.count.cpu(), "env": turns.env.cpu(),
+                        "model": turns.model.cpu(), "completion_ids": batch.completion_ids.cpu(),
+                        "progress": batch.turn_values("turn_progress").cpu(), "kept": batch.kept.cpu(),
+                        "advantages": advantages.cpu()})
+
+
 class CreditRecorder(CreditGRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -144,6 +158,21 @@ def run(out_dir: str, name: str) -> None:
                  {"environment_factory": st.AddEnvironment, "reward_funcs": [st.env_reward], "plugins": [ToolTurns]})
         trainer = st.ScriptedToolTrainer(model=tiny_model_path(), args=args, train_dataset=make_arithmetic(64, seed=1),
                                          processing_class=st.chatml_tool_tokenizer(), **extra)
+        trainer.train()
+        torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
+                    "log_history": trainer.state.log_history},
+                   f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
+        return
+
+    if mode == "rollout":
+        from trl_credit.testing import ScriptedTurns, scripted_turns_reward
+
+        args = GRPOConfig(output_dir=run_dir, per_device_train_batch_size=6, num_generations=4,
+                          max_completion_length=16, max_steps=2, logging_steps=1, report_to="none",
+                          save_strategy="no", use_cpu=True, bf16=False, seed=0, learning_rate=1e-3)
+        trainer = CreditGRPOTrainer(model=tiny_model_path(), reward_funcs=[scripted_turns_reward], args=args,
+                                    train_dataset=make_arithmetic(64, seed=0), rollout_func=ScriptedTurns(),
+                                    plugins=[{"name": fx.DropConstant, "max_refill_rounds": 4}, RolloutTurns])
         trainer.train()
         torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
                     "log_history": trainer.state.log_history},

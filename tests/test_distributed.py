@@ -22,7 +22,8 @@ HERE = Path(__file__).parent
 # the checkpoint alone): starting two processes costs more than most modes' training. The module's tests share
 # these two launches, so they run on one pytest-xdist worker (``--dist loadfile``: a module-scoped fixture is set
 # up once per worker that runs one of its tests; under ``--dist load`` both workers would launch).
-FIRST = ("pipeline", "curriculum", "augment", "adapter", "dense", "tools", "environment", "resume-full", "resume-part")
+FIRST = ("pipeline", "curriculum", "augment", "adapter", "dense", "rollout", "tools", "environment", "resume-full",
+         "resume-part")
 
 
 def launch_two(out_dir: Path, modes: tuple[str, ...]) -> None:
@@ -201,3 +202,33 @@ def test_tool_and_environment_paths_on_two_processes(ranks, mode):
     assert any(int(r["count"].max()) == 3 for r in a_steps)
     logged = [h for h in ranks[0]["log_history"] if "loss" in h]
     assert len(logged) == 2 and all(math.isfinite(h["loss"]) for h in logged)
+
+
+@pytest.mark.distributed
+def test_rollout_func_with_env_mask_on_two_processes(ranks):
+    """TRL's third multi-turn path: each rank's ``rollout_func`` plays its own rows; every rank sees the same
+    gathered turns and per-turn fields (refill included), and each row's are the ones its rollout returned."""
+    ranks = ranks("rollout")
+    assert [r["world"] for r in ranks] == [2, 2]
+    a_steps, b_steps = ranks[0]["records"], ranks[1]["records"]
+    assert len(a_steps) == len(b_steps) == 2
+    for a, b in zip(a_steps, b_steps):
+        for key in ("count", "env", "model", "completion_ids", "progress", "kept", "advantages"):
+            assert torch.equal(a[key].nan_to_num(-1.0) if key == "progress" else a[key],
+                               b[key].nan_to_num(-1.0) if key == "progress" else b[key]), key
+        assert a["prompts"] == b["prompts"]
+        ids = a["completion_ids"]
+        replies = (ids >= 300) & (ids < 400)  # ScriptedTurns draws the environment's tokens from 300..399, the model's below
+        assert torch.equal(a["env"], replies)
+        assert (a["model"] | a["env"]).sum() > 0 and not (a["model"] & a["env"]).any()
+        starts = replies[:, 1:] & ~replies[:, :-1]  # one environment reply between consecutive model turns
+        assert torch.equal(a["count"], 1 + starts.sum(-1))
+        k = torch.arange(a["progress"].shape[1])
+        expected = torch.where(k < a["count"].unsqueeze(1), (k + 1) / 3.0, torch.nan)  # turn k's progress (k+1)/3
+        torch.testing.assert_close(a["progress"], expected, equal_nan=True)
+        assert set(a["count"].tolist()) <= {1, 2, 3} and a["count"].max() > 1
+    logged = [h for h in ranks[0]["log_history"] if "loss" in h]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logged)
+    rounds = [h["trl_credit/generation_rounds"] for h in logged]
+    assert rounds == [h["trl_credit/generation_rounds"] for h in ranks[1]["log_history"] if "loss" in h]
+    assert max(rounds) > 1, f"constant groups are dropped and refilled across processes: {rounds}"
