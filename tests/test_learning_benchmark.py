@@ -60,6 +60,8 @@ def test_quick_writes_results_json(quick):
         assert [step for step, _ in run["curve"]] == [0, 1, 2] and len(run["tokens_per_step"]) == run["steps"] == 2
         assert run["generated_tokens"] == pytest.approx(sum(run["tokens_per_step"]), abs=0.2)
     assert report["variants"].keys() == variants.keys() and len(report["goals"]) == 1
+    assert report["goals"][0]["baseline"] == "grpo" and report["goals"][0]["steps_total"] == 2
+    assert "**The combination goal**" in (out / "run" / "results.md").read_text()
 
 
 def test_quick_writes_figures_tables_and_docs(quick):
@@ -68,9 +70,11 @@ def test_quick_writes_figures_tables_and_docs(quick):
         assert (out / "run" / name).read_bytes()[:8] == PNG_MAGIC
         assert (doc.parent / "img" / f"learning_{name}").read_bytes()[:8] == PNG_MAGIC
     table = (out / "run" / "results.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| baseline ",
-                                                                                                  "| plugin "))]
+    main, _, goals = table.partition("**The combination goal**")
+    rows = [line for line in main.splitlines() if line.startswith("| ") and not line.startswith(("| baseline ",
+                                                                                                 "| plugin "))]
     assert {row.split("|")[1].strip() for row in rows} == set(report["variants"])
+    assert "| combo:dynamic_sampling+balanced_aggregation | grpo | 1 |" in goals
     assert (out / "run" / "work" / "runs" / "grpo" / "seed0" / "adapter_model.safetensors").exists()
     text = doc.read_text()
     assert "old table" not in text and text.startswith("# Results\n\nbefore\n") and text.endswith("after\n")
@@ -98,7 +102,54 @@ def test_statistics_on_known_values():
     run = {"curve": [[0, 0.4], [2, 0.5], [4, 0.7]], "tokens_per_step": [100.0, 100.0, 300.0, 300.0]}
     assert learning.cumulative_tokens(run) == {0: 0.0, 1: 100.0, 2: 200.0, 3: 500.0, 4: 800.0}
     assert learning.first_reach(run, 0.5) == (2, 200.0) and learning.first_reach(run, 0.9) == (None, None)
+    assert learning.first_reach(run, 0.3) == (2, 200.0)  # the base model (step 0) meeting a target is no reach
     assert learning.at_tokens(run, 500.0) == 0.5 and learning.at_tokens(run, 50.0) == 0.4
+    tied = learning.stats([0.02, 0.02])  # equal paired differences: no interval, not a zero-width one
+    assert tied["mean"] == pytest.approx(0.02) and tied["ci95"] is None and learning._ci(tied) == "+0.020 (no spread over 2)"
+    # time per step: TRL's medians when both runs have them, else both means, never one of each
+    assert learning.time_ratio({"step_seconds_median": 30.0, "seconds_per_step": 40.0},
+                               {"step_seconds_median": 20.0, "seconds_per_step": 10.0}) == pytest.approx(1.5)
+    assert learning.time_ratio({"step_seconds_median": 30.0, "seconds_per_step": 40.0},
+                               {"step_seconds_median": None, "seconds_per_step": 10.0}) == pytest.approx(4.0)
+
+
+def _run(seed, curve, tokens_per_step, seconds=20.0):
+    return {"seed": seed, "curve": curve, "tokens_per_step": tokens_per_step, "generated_tokens": sum(tokens_per_step),
+            "seconds_per_step": seconds, "step_seconds_median": seconds, "mechanisms": {}}
+
+
+def test_paired_targets_budgets_and_the_goal_on_known_runs():
+    """Per seed: the baseline's own final accuracy is the target and its own tokens the budget; only seeds both
+    sides have are paired; the goal reads the median over seeds with a never-reaching seed as never."""
+    learning = _load("learning")
+    grid = [0, 10, 20, 30]
+    base = {"grpo": [_run(0, [[s, a] for s, a in zip(grid, (0.4, 0.5, 0.6, 0.6))], [100.0] * 30),
+                     _run(1, [[s, a] for s, a in zip(grid, (0.4, 0.6, 0.8, 0.7))], [100.0] * 30),
+                     _run(2, [[s, a] for s, a in zip(grid, (0.4, 0.4, 0.5, 0.5))], [100.0] * 30)]}
+    combo = [_run(0, [[s, a] for s, a in zip(grid, (0.4, 0.6, 0.6, 0.7))], [200.0] * 30, seconds=21.0),
+             _run(1, [[s, a] for s, a in zip(grid, (0.4, 0.5, 0.6, 0.6))], [200.0] * 30, seconds=21.0),
+             _run(3, [[s, a] for s, a in zip(grid, (0.4, 0.9, 0.9, 0.9))], [200.0] * 30, seconds=21.0)]  # seed 3: unpaired
+    variants = [learning.Variant("grpo", [], [learning.ACC]),
+                learning.Variant("combo:a+b", [{"name": "a"}, {"name": "b"}], [learning.ACC])]
+    summary = learning.summarise(variants, {**base, "combo:a+b": combo})
+    row = summary["combo:a+b"]
+    assert row["paired_seeds"] == [0, 1] and row["targets"] == [0.6, 0.7]
+    assert row["steps_to_target"] == [10, None]  # seed 1 never reaches its baseline's 0.7
+    assert row["baseline_steps_to_target"] == [20, 20]  # GRPO reaches its own final before its last step
+    assert row["delta_final"]["mean"] == pytest.approx((0.1 - 0.1) / 2)
+    # budget: the baseline's 3000 tokens on that seed; the combination spends 200 a step: step 10 is its last
+    # evaluation within it (0.6 and 0.5), minus the baseline's final (0.6 and 0.7)
+    assert row["delta_at_baseline_tokens"]["mean"] == pytest.approx((0.0 - 0.2) / 2)
+    assert row["time_ratio"]["mean"] == pytest.approx(1.05)
+    row["steps_total"] = 30
+    g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
+    assert g["median_steps_to_target"] is None and not g["steps_met"] and g["time_met"]  # median of (10, never)
+    assert g["steps_limit"] == pytest.approx(18.0) and g["effective_limit"] == 10
+    table = "\n".join(learning.goals_table([g]))
+    assert "| combo:a+b | grpo | 2 | 10, never | never | ≤ 18 of 30 (in effect the evaluation at step 10) | 20, 20 | 1.05 | no (steps) |" in table
+    row["steps_to_target"] = [10, 10]
+    g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
+    assert g["median_steps_to_target"] == 10 and g["steps_met"] and "| **yes** |" in "\n".join(learning.goals_table([g]))
 
 
 def test_presets_and_seeds():
@@ -190,6 +241,11 @@ def test_jobs_run_side_by_side_and_report_only_reads_them_back(tmp_path):
         assert again["variants"][label]["final"] == report["variants"][label]["final"]
     assert again["seeds"] == [0, 1] and again["missing"] == [f"{label}/seed1" for label in labels]
     assert "**Partial:** 2 planned runs" in (out / "results.md").read_text()
+    # a command about another plugin still reports every finished run on disk (the published tables keep them)
+    other = learning.main(["--quick", "--report-only", "--plugins", "balanced_aggregation", "--out", str(out),
+                           "--docs", ""])  # fmt: skip
+    assert other["variants"]["dynamic_sampling"]["final"] == report["variants"]["dynamic_sampling"]["final"]
+    assert other["variants"]["dynamic_sampling"]["seeds"] == [0] and other["missing"] == ["balanced_aggregation/seed0"]
 
 
 def test_a_failing_run_is_reported_not_fatal(tmp_path, monkeypatch):

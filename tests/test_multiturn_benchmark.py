@@ -42,7 +42,8 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
         path = mt.result_path(tmp_path, label, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"label": label, "seed": seed, "before": 0.0, "after": after, "turns_before": 3.0,
-                                    "turns_after": turns, "seconds_per_step": 25.0, "train_reward": trained}))
+                                    "turns_after": turns, "seconds_per_step": 25.0, "train_reward": trained,
+                                    "config": mt.config_of(label, seed, f"/elsewhere/{label}{seed}")}))
 
     write("grpo", 0, 0.75, 2.25, [1.0] * 5 + [0.1] * 10)  # only the last 10 steps count: 0.1
     write("grpo", 1, 0.5, 2.5, [0.2, float("nan")])  # NaN steps are left out: 0.2
@@ -56,9 +57,9 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| `salt`"))
     # paired over seeds 0 and 1: deltas +0.125 and 0.0 -> mean +0.0625, t(1) 12.706 * std 0.0884 / sqrt 2 = 0.794
     assert "| 3 | 0.000 | 0.792" in row and "+0.062 ± 0.794" in row and "+0.000 ± 3.176" in row
-    # sampled training success: mean over seeds 0.3, 0.4, 1.0 = 0.567; paired deltas +0.2, +0.2 (no spread)
-    # s/step: runs without a median step time count their mean, marked *
-    assert "| 25.0* | 0.75x | 0.567 | +0.200 ± 0.000 |" in row
+    # sampled training success: mean over seeds 0.3, 0.4, 1.0 = 0.567; paired deltas +0.2, +0.2: no spread, so
+    # no interval (not a zero-width one). s/step: runs without a median step time count their mean, marked *
+    assert "| 25.0* | 0.75x | 0.567 | +0.200 (no spread over 2) |" in row
     for seed, median in ((0, 20.0), (1, 40.0)):  # seed 2 without one: left out
         path = mt.result_path(tmp_path, "salt", seed)
         path.write_text(json.dumps({**json.loads(path.read_text()), "median_step_seconds": median}))
@@ -69,6 +70,15 @@ def test_report_pairs_plugins_with_grpo_on_the_same_seeds(mt, tmp_path):
     row = next(line for line in mt.report(tmp_path).splitlines() if line.startswith("| `salt`"))
     assert "| 40.0 | 0.75x |" in row
     assert "| `empg` | 0 |" in table and "not run yet" in table
+    # a run made with another setting (here another learning rate) is left out of the table, and named
+    path = mt.result_path(tmp_path, "grpo", 1)
+    run = json.loads(path.read_text())
+    run["config"]["learning_rate"] = 1.0
+    path.write_text(json.dumps(run))
+    assert mt.stale_keys(run) == ["learning_rate"]
+    table = mt.report(tmp_path)
+    assert "| `grpo` | 1 |" in table and "Left out: grpo/seed1 (made with another setting" in table
+    assert mt.stale_keys({**run, "config": mt.config_of("grpo", 1, "/any/where")}) == []  # where it ran is no setting
 
 
 def test_plugin_cost_is_the_median_hook_time_over_generation_time_after_the_first_step(mt):
