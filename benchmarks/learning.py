@@ -366,7 +366,9 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
     curve = [[0, base[variant.prompt]], *metrics["heldout_curve"]]
     if curve[-1][0] != len(steps) and metrics.get("heldout_accuracy_after") is not None:
         curve.append([len(steps), metrics["heldout_accuracy_after"]])  # the final model, when no evaluation fell there
-    step_times = [h["step_time"] for h in steps[1:] if h.get("step_time")]  # the first step warms up
+    config = run_config(settings, variant, seed, str(folder))
+    every = int(config.get("num_iterations", 1)) * int(config.get("steps_per_generation") or 1)
+    step_times = generation_cycles([h.get("step_time") for h in steps], every)
     result = {
         "label": variant.label, "plugins": variant.plugins, "rewards": variant.rewards, "prompt": variant.prompt,
         "baseline": None if variant.is_baseline else variant.baseline, "seed": seed,
@@ -379,6 +381,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
         # TRL's own per-step time, median over the steps after the first: a few steps slowed by other work on
         # the machine barely move it (the mean above is kept for the runs that predate this field)
         "step_seconds_median": round(statistics.median(step_times), 2) if step_times else None,
+        "generation_every": every,
         "environment": {**environment(), "date": time.strftime("%Y-%m-%d")},
         "eval_seconds": metrics.get("heldout_curve_seconds"), "wall_seconds": round(time.time() - clock, 1),
         "train_reward": [[h["step"], h.get(f"rewards/{ACC}/mean")] for h in steps],
@@ -391,6 +394,19 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
     log(f"  {variant.label} seed {seed}: held-out {result['curve'][-1][1]:.3f} at step {result['curve'][-1][0]} "
         f"({result['wall_seconds']} s)")  # fmt: skip
     return result
+
+
+def generation_cycles(step_times: list[float | None], every: int) -> list[float]:
+    """Per-step times averaged over each generation cycle, the first cycle (warm-up) left out.
+
+    TRL generates once every ``steps_per_generation * num_iterations`` steps and reuses the batch in between, so
+    with ``num_iterations: 2`` every other step skips generation: a median over single steps would pick a step
+    without it. Over whole cycles every value holds one generation. A cycle with a step that logged no time is
+    left out.
+    """
+    every = max(1, every)
+    cycles = [step_times[i:i + every] for i in range(every, len(step_times) - every + 1, every)]
+    return [sum(c) / every for c in cycles if all(t for t in c)]
 
 
 def finished(settings: Settings, variant: Variant, seed: int, out: Path) -> dict[str, Any] | None:
@@ -407,16 +423,14 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
     """The report's variants, what does not apply, and ``{label: finished runs}``: this command's runs, plus every
     other finished run of the same settings under ``out`` (other plugins and combinations, other seeds)."""
     folder = out / "runs"
-    labels = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
     planned = {v.label for v in variants}
+    disk_plugins, disk_combos = labels_on_disk(out)
     combos = [v.label.removeprefix("combo:").split("+") for v in variants if v.label.startswith("combo:")]
-    combos += [name.removeprefix("combo_").split("+") for name in labels
-               if name.startswith("combo_") and name.replace("combo_", "combo:", 1) not in planned]
+    combos += [c for c in disk_combos if "combo:" + "+".join(c) not in planned]
     names = [v.label for v in variants if not v.is_baseline and not v.label.startswith("combo:")]
-    names += [name for name in labels if not name.startswith(("combo_", "grpo")) and name not in planned]
-    if not quick and not any(name not in planned for name in names) and not any(
-            "combo:" + "+".join(c) not in planned for c in combos):
-        report, more = variants, {}
+    names += [name for name in disk_plugins if name not in planned]
+    if not quick and len(names) + len(combos) == len([v for v in variants if not v.is_baseline]):
+        report, more = variants, {}  # the full plan already (the grid's own command)
     else:
         report, more = plan(settings, names, combos, work, quick)
     skipped = {**more, **skipped}
@@ -432,10 +446,27 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
                 if result is not None:
                     results.setdefault(variant.label, []).append(result)
         results.get(variant.label, []).sort(key=lambda r: r["seed"])
+    # a folder of another setting (another --steps, say) holds no run of these settings: its variant stays out,
+    # and so does a baseline that no reported plugin needs
+    kept = [v for v in report if v.label in planned or results.get(v.label)]
+    needed = {v.baseline for v in kept if not v.is_baseline}
+    report = [v for v in kept if not v.is_baseline or v.label in planned or v.label in needed]
     extra = sum(len(v) for v in results.values()) - len(pairs)
     if extra:
         log(f"report: {extra} more finished runs of these settings on disk")
     return report, skipped, results
+
+
+def labels_on_disk(out: Path) -> tuple[list[str], list[list[str]]]:
+    """The plugin labels and the combinations (as plugin lists) with a run folder under ``out/runs``; baselines
+    (``grpo``, ``grpo+...``, ``grpo@...``, as `Variant.baseline` names them) are not listed: their plugins
+    bring them."""
+    folder = out / "runs"
+    labels = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    baseline = [name for name in labels if name == "grpo" or name.startswith(("grpo+", "grpo@"))]
+    combos = [name.removeprefix("combo_").split("+") for name in labels if name.startswith("combo_")]
+    plugins = [name for name in labels if name not in baseline and not name.startswith("combo_")]
+    return plugins, combos
 
 
 def _log(message: str) -> None:
@@ -823,13 +854,15 @@ def goals_table(goals: list[dict[str, Any]]) -> list[str]:
         per_seed = ", ".join("never" if s is None else str(s) for s in g["steps_to_target"])
         own = ", ".join("never" if s is None else str(s) for s in g.get("baseline_steps_to_target") or [])
         limit = f"≤ {g['steps_limit']:g} of {g['steps_total']}"
-        if g.get("effective_limit") not in (None, g["steps_limit"]):
+        if g.get("effective_limit") is None:
+            limit += " (no evaluation falls within it: the goal cannot be met on this grid)"
+        elif g["effective_limit"] != g["steps_limit"]:
             limit += f" (in effect the evaluation at step {g['effective_limit']})"
         met = "**yes**" if g["steps_met"] and g["time_met"] else "no (" + ", ".join(
             x for x, ok in (("steps", g["steps_met"]), ("time", g["time_met"])) if not ok) + ")"
-        lines.append(f"| {g['label']} | {g['baseline']} | {len(g['seeds'])} | {per_seed} | "
-                     f"{_f(g['median_steps_to_target'], 0) if g['median_steps_to_target'] is not None else 'never'} | "
-                     f"{limit} | {own or 'n/a'} | {_f(g['time_ratio'], 2)} | {met} |")  # fmt: skip
+        median = "never" if g["median_steps_to_target"] is None else f"{g['median_steps_to_target']:g}"  # 12.5 stays
+        lines.append(f"| {g['label']} | {g['baseline']} | {len(g['seeds'])} | {per_seed} | {median} | {limit} | "
+                     f"{own or 'n/a'} | {_f(g['time_ratio'], 2)} | {met} |")  # fmt: skip
     return lines
 
 
@@ -996,6 +1029,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # the report holds every finished run of these settings on disk, not only this command's: a command that runs
     # one plugin or more seeds must not drop the rest of the grid from the published tables
     variants, skipped, results = on_disk(settings, variants, skipped, pairs, out, work, args.quick, log)
+    for prompt in sorted({v.prompt for v in variants} - bases.keys()):  # a prompt only runs from disk use
+        bases[prompt] = base_accuracy(settings, prompt, out, work, log)
     summary = summarise(variants, results)
     for row in summary.values():
         row["steps_total"] = settings.steps
@@ -1006,7 +1041,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     captions = [("held-out accuracy per step, each plugin against its baseline", figures["step"].name),
                 ("held-out accuracy against generated tokens", figures["tokens"].name)]
     (out / "results.md").write_text(markdown(summary, skipped, settings, bases, captions, missing, goals) + "\n")
-    report = {"settings": asdict(settings), "seeds": seeds, "environment": environment(), "bases": bases,
+    report = {"settings": asdict(settings), "seeds": seeds,
+              "seeds_reported": sorted({r["seed"] for runs in results.values() for r in runs}),
+              "environment": environment(), "bases": bases,
               "variants": summary, "goals": goals, "not_run": skipped, "missing": missing,
               "seconds": round(time.time() - started, 1)}  # fmt: skip
     docs = args.docs if args.docs is not None else ("" if args.quick else str(ROOT / "docs" / "results.md"))

@@ -124,7 +124,7 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
     learning = _load("learning")
     grid = [0, 10, 20, 30]
     base = {"grpo": [_run(0, [[s, a] for s, a in zip(grid, (0.4, 0.5, 0.6, 0.6))], [100.0] * 30),
-                     _run(1, [[s, a] for s, a in zip(grid, (0.4, 0.6, 0.8, 0.7))], [100.0] * 30),
+                     _run(1, [[s, a] for s, a in zip(grid, (0.4, 0.6, 0.8, 0.7))], [150.0] * 30),
                      _run(2, [[s, a] for s, a in zip(grid, (0.4, 0.4, 0.5, 0.5))], [100.0] * 30)]}
     combo = [_run(0, [[s, a] for s, a in zip(grid, (0.4, 0.6, 0.6, 0.7))], [200.0] * 30, seconds=21.0),
              _run(1, [[s, a] for s, a in zip(grid, (0.4, 0.5, 0.6, 0.6))], [200.0] * 30, seconds=21.0),
@@ -137,9 +137,10 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
     assert row["steps_to_target"] == [10, None]  # seed 1 never reaches its baseline's 0.7
     assert row["baseline_steps_to_target"] == [20, 20]  # GRPO reaches its own final before its last step
     assert row["delta_final"]["mean"] == pytest.approx((0.1 - 0.1) / 2)
-    # budget: the baseline's 3000 tokens on that seed; the combination spends 200 a step: step 10 is its last
-    # evaluation within it (0.6 and 0.5), minus the baseline's final (0.6 and 0.7)
-    assert row["delta_at_baseline_tokens"]["mean"] == pytest.approx((0.0 - 0.2) / 2)
+    # budget: the baseline's own tokens on that seed (3000, 4500); the combination spends 200 a step, so its last
+    # evaluation within them is step 10 (0.6) and step 20 (0.6), minus the baseline's final (0.6, 0.7). One budget
+    # for every seed (the mean, 3500) would read seed 1 at step 10 (0.5): -0.1 on average, not -0.05
+    assert row["delta_at_baseline_tokens"]["mean"] == pytest.approx((0.0 - 0.1) / 2)
     assert row["time_ratio"]["mean"] == pytest.approx(1.05)
     row["steps_total"] = 30
     g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
@@ -150,6 +151,18 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
     row["steps_to_target"] = [10, 10]
     g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
     assert g["median_steps_to_target"] == 10 and g["steps_met"] and "| **yes** |" in "\n".join(learning.goals_table([g]))
+
+
+def test_report_labels_on_disk_and_generation_cycles(tmp_path):
+    learning = _load("learning")
+    for name in ("grpo", "grpo+steps@working", "grpo@loss_type=grpo", "grpo_lambda", "grpo_care", "combo_a+b",
+                 "dynamic_sampling"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    # baselines are what Variant.baseline names (grpo, grpo+..., grpo@...), not every name that starts with grpo
+    assert learning.labels_on_disk(tmp_path) == (["dynamic_sampling", "grpo_care", "grpo_lambda"], [["a", "b"]])
+    # num_iterations 2: TRL generates every other step; a cycle's mean holds one generation (first cycle left out)
+    assert learning.generation_cycles([9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0], 2) == [5.0, 5.0, 5.0]
+    assert learning.generation_cycles([9.0, 1.0, 8.0, None, 7.0], 1) == [1.0, 8.0, 7.0]
 
 
 def test_presets_and_seeds():
