@@ -659,6 +659,8 @@ def summarise(variants: list[Variant], results: dict[str, list[dict]]) -> dict[s
         row["delta_final"] = stats([mine[s]["curve"][-1][1] - theirs[s]["curve"][-1][1] for s in seeds])
         row["delta_auc"] = stats([auc(mine[s]["curve"]) - auc(theirs[s]["curve"]) for s in seeds])
         row["time_ratio"] = stats([time_ratio(mine[s], theirs[s]) for s in seeds])
+        row["token_ratio"] = stats([mine[s]["generated_tokens"] / theirs[s]["generated_tokens"] for s in seeds
+                                    if theirs[s]["generated_tokens"]])
         if seeds:
             # per seed: the baseline's own final accuracy on that seed is the target, and its own total tokens
             # the budget (paired, like every other difference)
@@ -755,9 +757,7 @@ def markdown(summary: dict[str, Any], skipped: dict[str, str], settings: Setting
     plugin_rows = [r for r in summary.values() if r["baseline"] is not None]
     plugin_rows.sort(key=lambda r: (0, -r["delta_final"]["mean"]) if r.get("delta_final", {}).get("n") else (1, 0))
     for row in plugin_rows:
-        base_row = summary.get(row["baseline"], {})
-        ratio = (row["generated_tokens"]["mean"] / base_row["generated_tokens"]["mean"]
-                 if row["generated_tokens"]["mean"] and base_row.get("generated_tokens", {}).get("mean") else None)
+        ratio = row.get("token_ratio", {}).get("mean")  # paired by seed, like every column after "seeds"
         options = "; ".join(x for x in (", ".join(f"{k}={v}" for k, v in e.items() if k != "name")
                                         for e in row["plugins"]) if x)  # fmt: skip
         note = "; ".join(x for x in (options, row["note"]) if x)

@@ -142,6 +142,7 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
     # for every seed (the mean, 3500) would read seed 1 at step 10 (0.5): -0.1 on average, not -0.05
     assert row["delta_at_baseline_tokens"]["mean"] == pytest.approx((0.0 - 0.1) / 2)
     assert row["time_ratio"]["mean"] == pytest.approx(1.05)
+    assert row["token_ratio"]["mean"] == pytest.approx((6000 / 3000 + 6000 / 4500) / 2)  # paired, not a ratio of means
     row["steps_total"] = 30
     g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
     assert g["median_steps_to_target"] is None and not g["steps_met"] and g["time_met"]  # median of (10, never)
