@@ -179,9 +179,10 @@ def _load(config: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any], tuple]
     from trl_credit.app.models import resolve_model
 
     name = resolve_model(str(config["model_name_or_path"]))
-    spec = str(config["dataset_name"])
-    game = rollout_options(parse_arithmetic_spec(spec.partition(":")[2]))
-    heldout = load_train_eval(spec)[1]
+    spec, extra = str(config["dataset_name"]), config.get("dataset_config")
+    # as `trl-credit train` reads them: the ``:`` suffix over ``dataset_config``
+    game = rollout_options({**parse_arithmetic_spec(extra), **parse_arithmetic_spec(spec.partition(":")[2])})
+    heldout = load_train_eval(spec, extra)[1]
     heldout = heldout.select(range(min(int(config.get("heldout_samples") or len(heldout)), len(heldout))))
     base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
     return base, AutoTokenizer.from_pretrained(name), heldout, game, (name, spec, len(heldout))
@@ -194,6 +195,8 @@ def base_play(out: Path, config: dict[str, Any]) -> dict[str, Any]:
     (``heldout_before: false``; about 70-85 s each here)."""
     path = out / "base.json"
     key = [str(config["model_name_or_path"]), str(config["dataset_name"]), config.get("heldout_samples")]
+    if config.get("dataset_config"):  # the key of the grid's existing base.json has no such entry
+        key.append(str(config["dataset_config"]))
     kept = json.loads(path.read_text()) if path.exists() else {}
     if kept.get("key") == key:
         return kept
@@ -232,7 +235,8 @@ def greedy_play(folder: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def play_lines(games: list[dict[str, Any]]) -> list[str]:
-    """One line per distinct (secret, turns, solved), most frequent first: ``count x secret k: t1 | t2 | t3 (won)``."""
+    """One line per distinct (secret, turns, solved), by secret and, within a secret, most frequent first:
+    ``count x secret k: t1 | t2 | t3 (won)``."""
     from collections import Counter
 
     counts = Counter((g["secret"], tuple(g["turns"]), g["solved"]) for g in games)

@@ -188,6 +188,32 @@ def test_strict_play_counts_only_a_turn_that_is_just_the_number():
     assert bare == lenient  # a bare number is a guess either way
 
 
+def test_halving_wins_every_game_and_each_turn_records_its_distance():
+    """Played through the rollout: halving 1..6 (3; then 5 or 1; then 6, 4 or 2) wins every game in the turns binary
+    search takes, which it can only do if "Higher." / "Lower." point the right way; and every turn records
+    |guess - secret|, 0 on the winning one."""
+    from trl_credit.app.guess import greedy_games, guess_success
+    from trl_credit.testing.tiny import tiny_tokenizer
+
+    nxt = {(None, None): 3, (3, "Higher"): 5, (3, "Lower"): 1, (5, "Higher"): 6, (5, "Lower"): 4, (1, "Higher"): 2}
+    halving = lambda g, r: nxt[(g, r)]  # noqa: E731
+    tok = tiny_tokenizer()
+    held = make_guess(12, seed=1, max_value=6, turns=3)
+    secrets = [int(a) for a in held["answer"]]
+    path = {3: [3], 5: [3, 5], 1: [3, 1], 6: [3, 5, 6], 4: [3, 5, 4], 2: [3, 1, 2]}
+    assert guess_success(ScriptedGuesser(tok, halving), tok, held, turn_tokens=4, batch_size=5) == {
+        "success": 1.0, "turns": sum(len(path[s]) for s in secrets) / 12}
+    games = greedy_games(ScriptedGuesser(tok, halving), tok, held, turn_tokens=4, batch_size=5)
+    assert games["guess_distance"] == [[float(abs(g - s)) for g in path[s]] for s in secrets]
+    sweep = greedy_games(ScriptedGuesser(tok, lambda g, r: 1 if g is None else g + 1), tok, held, turn_tokens=4,
+                         batch_size=5)
+    assert sweep["guess_distance"] == [[float(abs(g - s)) for g in (1, 2, 3)[:s]] for s in secrets]  # stops on a win
+    assert sweep["guess_solved"] == [float(s <= 3) for s in secrets]
+    # no sampling log-probs are kept: NaN (TRL's "not scored"), never 0.0 (probability 1)
+    assert all(len(lp) == len(ids) and all(x != x for x in lp) for lp, ids in zip(games["logprobs"],
+                                                                                games["completion_ids"]))
+
+
 def test_validate_names_a_bad_strict_before_any_model_loads(tmp_path):
     from trl_credit.app.train_command import validate
     from trl_credit.config import ConfigError

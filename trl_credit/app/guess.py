@@ -9,8 +9,8 @@ TRL's multi-turn paths build it, so the loss trains on the model's tokens only a
 sees the turns.
 
 Verifiable outcome: ``guess_solved`` (1.0 when a guess was right). Verifiable per-turn progress:
-``guess_distance`` (|guess - secret| after each turn, capped at ``max_value``: a guess outside 1..max_value
-counts as one worse than any guess inside; None when the turn held no number). Both reach
+``guess_distance`` (|guess - secret| after each turn, capped at ``max_value`` so that an out-of-range guess such
+as an echoed game number cannot dwarf the in-range ones; None when the turn held no number). Both reach
 the reward functions (and ``batch.column``) as TRL passes a rollout's extra fields.
 """
 
@@ -259,7 +259,10 @@ class GuessRollout:
         finally:
             model.train(was_training)
         return {"prompt_ids": prompt_ids, "completion_ids": completion, "env_mask": env_mask,
-                "logprobs": [[0.0] * len(c) for c in completion], "guess_solved": solved,
+                # NaN: not scored (the turns are sampled by `generate`, which keeps no log-probs). TRL reads a NaN
+                # sampling log-prob as "no evidence": no importance correction, no off-policy drop; 0.0 would claim
+                # every token had probability 1
+                "logprobs": [[float("nan")] * len(c) for c in completion], "guess_solved": solved,
                 "guess_distance": distance, "guess_turns": [len(d) for d in distance]}
 
     def _generate(self, model: Any, tok: Any, contexts: list[list[int]], temperature: float) -> list[list[int]]:
