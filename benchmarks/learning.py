@@ -962,7 +962,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--work", default=None, help="train outputs: adapters, logs (default: runs/learning)")
     parser.add_argument("--plugins", default=None, help="comma-separated plugin names (default: every installed one)")
     parser.add_argument("--combo", action="append", default=[],
-                        help="comma-separated plugins to enable together (repeatable)")
+                        help="comma-separated plugins to enable together (repeatable); without --plugins only the "
+                        "combinations and their baselines run")
     parser.add_argument("--seeds", default=None, help="N (seeds 0..N-1) or a comma list (default: 3; quick: 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 30; quick: 2)")
     parser.add_argument("--model", default=None, help="model name or path (default: smollm2-135m-instruct)")
@@ -996,8 +997,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.extra:
         settings.extra = json.loads(args.extra)
     seeds = parse_seeds(args.seeds or ("1" if args.quick else "3"))
-    selected = [p.strip() for p in args.plugins.split(",") if p.strip()] if args.plugins else None
     combos = [[p.strip() for p in c.split(",") if p.strip()] for c in args.combo]
+    # --combo alone runs the combinations (and their baselines), not the whole grid beside them
+    selected = [p.strip() for p in args.plugins.split(",") if p.strip()] if args.plugins else ([] if combos else None)
     if args.quick and args.out is None:
         raise SystemExit("--quick needs --out (its runs are not the benchmark's)")
     out = Path(args.out or HERE / "results" / "learning")

@@ -33,7 +33,9 @@ def quick(tmp_path_factory):
     doc.write_text("# Results\n\nbefore\n<!-- learning-results:begin -->\nold table\n"
                    "<!-- learning-results:end -->\nafter\n")
     report = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", str(doc),
-                                     "--combo", "dynamic_sampling,balanced_aggregation"])
+                                     "--plugins", "dynamic_sampling,balanced_aggregation",
+                                     "--plugins", "dynamic_sampling,balanced_aggregation",
+                                    "--combo", "dynamic_sampling,balanced_aggregation"])
     return out, report, doc
 
 
@@ -84,9 +86,16 @@ def test_quick_writes_figures_tables_and_docs(quick):
 def test_quick_is_resumable(quick, capsys):
     out, report, _ = quick
     again = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", "",
+                                    "--plugins", "dynamic_sampling,balanced_aggregation",
                                     "--combo", "dynamic_sampling,balanced_aggregation"])
     printed = capsys.readouterr().out
     assert "4 of 4 runs done already; 0 to run" in printed and "training" not in printed
+    # --combo alone plans the combination and its baseline only; the report still holds every run on disk
+    combo_only = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", "",
+                                         "--combo", "dynamic_sampling,balanced_aggregation"])
+    printed = capsys.readouterr().out
+    assert "2 of 2 runs done already; 0 to run" in printed and "training" not in printed
+    assert combo_only["variants"].keys() == report["variants"].keys()
     assert json.loads(json.dumps(again["variants"], default=str)) == json.loads(json.dumps(report["variants"],
                                                                                            default=str))
 
