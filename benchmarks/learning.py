@@ -347,7 +347,8 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     config_path = folder.parent / f"seed{seed}.yaml"
-    config_path.write_text(yaml.safe_dump(run_config(settings, variant, seed, str(folder)), sort_keys=False))
+    config = run_config(settings, variant, seed, str(folder))
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log(f"  {variant.label} seed {seed}: training {settings.steps} steps")
     clock = time.time()
     metrics = train(str(config_path))
@@ -366,7 +367,6 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
     curve = [[0, base[variant.prompt]], *metrics["heldout_curve"]]
     if curve[-1][0] != len(steps) and metrics.get("heldout_accuracy_after") is not None:
         curve.append([len(steps), metrics["heldout_accuracy_after"]])  # the final model, when no evaluation fell there
-    config = run_config(settings, variant, seed, str(folder))
     every = int(config.get("num_iterations", 1)) * int(config.get("steps_per_generation") or 1)
     step_times = generation_cycles([h.get("step_time") for h in steps], every)
     result = {
@@ -378,8 +378,8 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
         "steps": len(steps), "completions_per_step": completions,
         "generated_tokens": round(sum(tokens), 1),
         "seconds_per_step": round(train_seconds / max(len(steps), 1), 2),
-        # TRL's own per-step time, median over the steps after the first: a few steps slowed by other work on
-        # the machine barely move it (the mean above is kept for the runs that predate this field)
+        # TRL's own per-step time, median over the generation cycles after the first (`generation_cycles`): a few
+        # steps slowed by other work on the machine barely move it (the mean above is kept for older runs)
         "step_seconds_median": round(statistics.median(step_times), 2) if step_times else None,
         "generation_every": every,
         "environment": {**environment(), "date": time.strftime("%Y-%m-%d")},
@@ -422,7 +422,6 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
             quick: bool, log) -> tuple[list[Variant], dict[str, str], dict[str, list[dict]]]:
     """The report's variants, what does not apply, and ``{label: finished runs}``: this command's runs, plus every
     other finished run of the same settings under ``out`` (other plugins and combinations, other seeds)."""
-    folder = out / "runs"
     planned = {v.label for v in variants}
     disk_plugins, disk_combos = labels_on_disk(out)
     combos = [v.label.removeprefix("combo:").split("+") for v in variants if v.label.startswith("combo:")]
@@ -439,7 +438,7 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
         results.setdefault(variant.label, []).append(result)
     for variant in report:
         have = {r["seed"] for r in results.get(variant.label, [])}
-        for path in sorted((folder / variant.label.replace(":", "_")).glob("seed*.json")):
+        for path in sorted(result_path(out, variant.label, 0).parent.glob("seed*.json")):
             seed = path.stem.removeprefix("seed")
             if seed.isdigit() and int(seed) not in have:
                 result = finished(settings, variant, int(seed), out)

@@ -29,7 +29,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from learning import parse_seeds, stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
+from learning import _ci, parse_seeds, stats, update_docs  # noqa: E402  (the learning benchmark's statistics)
 
 EXAMPLE = ROOT / "examples" / "multiturn.yaml"
 
@@ -333,11 +333,7 @@ def report(out: Path) -> str:
         late = [x for x in (late_success(done[s]) for s in seeds) if x is not None]
 
         def f(x: dict[str, Any]) -> str:
-            if x["n"] == 0:
-                return "-"
-            if x["ci95"] is None:  # one seed, or seeds that all gave the same difference: no interval
-                return f"{x['mean']:+.3f}" + (" (one seed)" if x["n"] == 1 else f" (no spread over {x['n']})")
-            return f"{x['mean']:+.3f} ± {x['ci95']:.3f}"
+            return "-" if x["n"] == 0 else _ci(x) + (" (one seed)" if x["n"] == 1 else "")
 
         before = stats([done[s]["before"] for s in seeds])["mean"]
         spread = (f" ± {after['ci95']:.3f}" if after["ci95"] is not None else

@@ -159,9 +159,7 @@ def run(out_dir: str, name: str) -> None:
         trainer = st.ScriptedToolTrainer(model=tiny_model_path(), args=args, train_dataset=make_arithmetic(64, seed=1),
                                          processing_class=st.chatml_tool_tokenizer(), **extra)
         trainer.train()
-        torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
-                    "log_history": trainer.state.log_history},
-                   f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
+        save(trainer, out_dir)
         return
 
     if mode == "rollout":
@@ -174,9 +172,7 @@ def run(out_dir: str, name: str) -> None:
                                     train_dataset=make_arithmetic(64, seed=0), rollout_func=ScriptedTurns(),
                                     plugins=[{"name": fx.DropConstant, "max_refill_rounds": 4}, RolloutTurns])
         trainer.train()
-        torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
-                    "log_history": trainer.state.log_history},
-                   f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
+        save(trainer, out_dir)
         return
 
     resuming = mode.startswith("resume")
@@ -204,15 +200,19 @@ def run(out_dir: str, name: str) -> None:
 
         trainer.add_callback(StopAt2())
     trainer.train(resume_from_checkpoint=f"{run_dir}/checkpoint-2" if mode == "resume" else None)
-    rank = trainer.accelerator.process_index
     adapters = {}
     if mode == "adapter":
         model = trainer.accelerator.unwrap_model(trainer.model)
         adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
         records.append({"updates": [r for _, r, _ in trainer.credit_plugins.plugins[0].instance.seen]})
-    torch.save({"adapters": adapters, "world": trainer.accelerator.num_processes, "records": records, "mode": mode,
-                "log_history": trainer.state.log_history, "prompt_stats": trainer.prompt_stats.state_dict(),
-                "loss_checks": loss_checks}, f"{out_dir}/{mode}-rank{rank}.pt")
+    save(trainer, out_dir, adapters=adapters, prompt_stats=trainer.prompt_stats.state_dict(), loss_checks=loss_checks)
+
+
+def save(trainer, out_dir: str, **more) -> None:
+    """This rank's records of the mode that just trained, as ``out_dir/MODE-rank{r}.pt``."""
+    torch.save({"world": trainer.accelerator.num_processes, "records": records, "mode": mode,
+                "log_history": trainer.state.log_history, **more},
+               f"{out_dir}/{mode}-rank{trainer.accelerator.process_index}.pt")
 
 
 if __name__ == "__main__":
