@@ -80,20 +80,25 @@ def test_imported_names(module):
     assert not missing, f"TRL moved {module}.{', '.join(missing)} (used by trl_credit)"
 
 
-def test_attributes_and_output_keys(tmp_path):
-    """One real step: the trainer attributes exist and the output has the keys the host reads; every per-row
-    tensor of the output is one refill knows how to pad and combine."""
+def _one_step_trainer(tmp_path):
+    """A tiny trainer with one plugin that records nothing, so the host's seam is active."""
     from trl_credit import Plugin, hookimpl
 
     class Look(Plugin):
-        """Records nothing; makes the host's seam active."""
+        """Records nothing."""
 
         @hookimpl
         def on_batch_end(self, batch, advantages):
             pass
 
-    trainer = train_tiny([Look], output_dir=tmp_path, train=False, reward_funcs=[answer_reward],
-                         dataset=tiny_dataset(16))
+    return train_tiny([Look], output_dir=tmp_path, train=False, reward_funcs=[answer_reward],
+                      dataset=tiny_dataset(16))
+
+
+def test_attributes_and_output_keys(tmp_path):
+    """One real step: the trainer attributes exist and the output has the keys the host reads; every per-row
+    tensor of the output is one refill knows how to pad and combine."""
+    trainer = _one_step_trainer(tmp_path)
     from trl import GRPOTrainer
 
     missing_attrs = [a for a in ATTRIBUTES if not hasattr(trainer, a)]
@@ -106,3 +111,50 @@ def test_attributes_and_output_keys(tmp_path):
     per_row = {k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     unknown = per_row - {"prompt_ids", "prompt_mask", "completion_ids", "advantages", *RIGHT_PADDED}
     assert not unknown, f"_generate_and_score_completions returns per-row tensors refill does not combine: {unknown}"
+
+
+def test_cpu_scoring_scores_only_the_completion_tokens(tmp_path, monkeypatch):
+    """TRL 1.16's fused LM head scores every position off Triton devices (``compact = _use_triton(...)`` in
+    ``add_fused_lm_head``); the host's ``_get_per_token_logps_and_entropies`` switches it to the valid positions
+    on CPU. Pinned here: the switch TRL reads, the rows scored (the completion tokens, not prompt or padding),
+    the log-probs and entropies equal to TRL's bit for bit, and the gradients equal to float rounding."""
+    import trl.trainer.utils as trl_utils
+    from trl import GRPOTrainer
+
+    assert "compact = _use_triton(hidden_states.device)" in inspect.getsource(trl_utils.add_fused_lm_head), (
+        "TRL changed how its fused LM head decides which positions to score (trl_credit/trainer.py relies on it)")
+
+    trainer = _one_step_trainer(tmp_path)
+    scored: list[int] = []
+    original = trl_utils._ChunkedLogProbFunction
+
+    class Spy:
+        @staticmethod
+        def apply(hidden, *rest):
+            scored.append(hidden.shape[0])
+            return original.apply(hidden, *rest)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (3, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding in the prompt
+    mask[1, -2:] = 0  # right padding in the completion
+    keep = 5  # the last 5 positions are the completion
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = {}
+    for name, scorer in (("ours", trainer._get_per_token_logps_and_entropies),
+                         ("theirs", lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k))):
+        model.zero_grad()
+        logps, entropies, _ = scorer(model, ids, mask, keep, compute_entropy=True)
+        (logps * torch.linspace(0.5, 1.5, keep)).sum().backward()
+        results[name] = logps.detach(), entropies.detach(), [p.grad.clone() for p in params]
+    valid = int(mask[:, -keep:].sum())
+    assert scored == [valid, 3 * 11], "ours scores the completion tokens only; TRL's CPU path scores every position"
+    (ours_logps, ours_entropy, ours_grads), (logps, entropy, grads) = results["ours"], results["theirs"]
+    assert torch.equal(ours_logps, logps) and torch.equal(ours_entropy, entropy)
+    assert torch.count_nonzero(logps) == valid
+    for mine, theirs in zip(ours_grads, grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+    assert trl_utils._use_triton(torch.device("cpu")) is False, "the switch is restored after scoring"

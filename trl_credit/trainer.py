@@ -6,10 +6,12 @@ original: ``_calculate_rewards`` (to keep the round's inputs), the *tail* of
 filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-sequence losses;
 loss plugins: token weights passed as TRL's ``tool_mask``, clip bounds as its ``epsilon_low`` /
 ``epsilon_high``, TRL's own ``_get_per_token_logps_and_entropies`` output kept for extra terms),
-``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
+``_get_per_token_logps_and_entropies`` (on CPU, only valid positions are scored: same log-probs, several
+times faster), ``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
 ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state, auxiliary adapters). Auxiliary
 adapters (`trl_credit.adapters`) are added to TRL's PEFT model at the end of ``__init__``, before TRL
-builds its optimiser. With no plugins enabled every seam returns TRL's result untouched.
+builds its optimiser. With no plugins enabled every seam returns TRL's result untouched (on CPU the
+gradients differ from TRL's by float summation order only).
 """
 
 from __future__ import annotations
@@ -217,6 +219,10 @@ class CreditGRPOTrainer(GRPOTrainer):
             epsilon_low=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
             beta=float(self.beta if beta is None else beta), max_completion_length=self.max_completion_length,
             num_items=num_items, step=self.state.global_step)  # fmt: skip
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with _score_valid_positions_only(self.args):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _get_train_sampler(self, dataset=None):
         if self.pipeline.has("prompt_weights"):
@@ -785,6 +791,28 @@ class TrainerScorer:
         result["logps"] = reduce(scores).cpu()  # every row is computed by exactly one rank
         t._cost(f"{kind[len(KIND_PREFIX):]}_update_seconds", result.pop("seconds"))
         return result
+
+
+@contextlib.contextmanager
+def _score_valid_positions_only(args: Any):
+    """On CPU, score only the positions whose label is valid (TRL 1.16 scores them all there).
+
+    TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``) scores only the valid positions on a
+    Triton device, and every position elsewhere, so that a compiler (Neuron) sees one tile shape per batch
+    size. Eager CPU recompiles nothing, and there the prompt and padding positions were most of the
+    training step: each scores against the whole vocabulary, forward and backward. The log-probs are the
+    same bit for bit; the gradients are the same up to float summation order (pinned in test_trl_seam.py).
+    Left as TRL has it under ``torch_compile``, where the changing shapes would recompile.
+    """
+    import trl.trainer.utils as trl_utils
+
+    original = trl_utils._use_triton
+    if not getattr(args, "torch_compile", False):
+        trl_utils._use_triton = lambda device: device.type == "cpu" or original(device)
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
 
 
 def _model_for(trainer: CreditGRPOTrainer, model: Any, kind: str):
