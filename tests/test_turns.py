@@ -58,7 +58,7 @@ def _rollout(prompts, trainer):
         completion_ids.append(first + reply + second)
         env_mask.append([1, 1, 1, 0, 0, 1, 1, 1])
     return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids,
-            "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": env_mask}
+            "logprobs": [[float("nan")] * len(c) for c in completion_ids], "env_mask": env_mask}
 
 
 def _second_token(completions, completion_ids, question, **kwargs):
@@ -204,3 +204,26 @@ def test_group_normalise_reads_only_its_pool_and_pools_each_group_apart():
     # per completion (N,), an empty pool: all 0
     flat = group_normalise(torch.tensor([nan, 4.0, 1.0, 3.0]), torch.tensor([False, False, True, True]), 2)
     torch.testing.assert_close(flat, torch.tensor([0.0, 0.0, -1.0, 1.0]), atol=1e-5, rtol=0)
+
+
+def test_scripted_turns_rollout_is_self_consistent():
+    """The kit's `ScriptedTurns`: one progress value per model turn of the env mask, ``solved`` when all turns were
+    used, and NaN log-probs (TRL's "not scored": the tokens are drawn, not sampled from the model)."""
+    from types import SimpleNamespace
+
+    from trl_credit.testing import ScriptedTurns, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    out = ScriptedTurns(max_turns=3, turn_tokens=3, reply_tokens=2)([[{"role": "user", "content": "hi"}]] * 12,
+                                                                    SimpleNamespace(processing_class=tok))
+    counts = set()
+    for ids, mask, logps, progress, checks, solved in zip(out["completion_ids"], out["env_mask"], out["logprobs"],
+                                                          out["turn_progress"], out["turn_checks"], out["solved"]):
+        turns = len(progress)
+        counts.add(turns)
+        assert len(ids) == len(mask) == len(logps) == 3 * turns + 2 * (turns - 1) + 1
+        assert mask == ([1] * 3 + [0] * 2) * (turns - 1) + [1] * 3 + [1]
+        assert progress == [(k + 1) / 3 for k in range(turns)] and len(checks) == turns
+        assert solved == float(turns == 3) and all(x != x for x in logps)
+    assert counts == {1, 2, 3}

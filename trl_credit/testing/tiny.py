@@ -206,7 +206,8 @@ class ScriptedTurns:
     (``env_mask`` 0). Extra fields, one per rollout, as TRL passes them to rewards and `RolloutBatch.column`:
     ``turn_progress`` (per turn: the fraction of the way, ``(k + 1) / max_turns``), ``turn_checks`` (per
     turn: a number of checks passed, random in 0..3), and ``solved`` (1.0 when the trajectory used all
-    ``max_turns`` turns). Reward with `scripted_turns_reward`.
+    ``max_turns`` turns). Reward with `scripted_turns_reward`. The rollout's ``logprobs`` are NaN, TRL's
+    "not scored" (the tokens are drawn, not sampled from the model), as in the `guess` game.
     """
 
     def __init__(self, max_turns: int = 3, turn_tokens: int = 3, reply_tokens: int = 2):
@@ -235,7 +236,7 @@ class ScriptedTurns:
             checks.append(torch.randint(0, 4, (turns,)).tolist())
             solved.append(float(turns == self.max_turns))
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask,
-                "logprobs": [[0.0] * len(c) for c in completion_ids], "turn_progress": progress,
+                "logprobs": [[float("nan")] * len(c) for c in completion_ids], "turn_progress": progress,
                 "turn_checks": checks, "solved": solved}
 
 

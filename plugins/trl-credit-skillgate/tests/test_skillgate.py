@@ -222,7 +222,7 @@ class SkillRollout:
             env_mask.append([1] * len(read) + [0, 0] + [1] * 4)
             solved.append(float(torch.randint(2, ())))
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "env_mask": env_mask,
-                "logprobs": [[0.0] * len(c) for c in completion_ids], "solved": solved}
+                "logprobs": [[float("nan")] * len(c) for c in completion_ids], "solved": solved}
 
 
 def solved_reward(completions, solved, **kwargs):
