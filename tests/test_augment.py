@@ -65,6 +65,8 @@ def test_an_augmented_group_is_generated_scored_and_added(make_trainer, arithmet
     assert metrics["trl_credit/hint_group_zero/augmented_groups"] == [1.0]
     # curricula count plain rollouts only
     assert float(trainer.prompt_stats.seen.sum()) == 8.0
+    # the token normaliser (dapo, TRL's default) counts the 12 rows trained on, not TRL's count of the 8 generated
+    assert out["num_items_in_batch"] == out["completion_mask"].sum() > out["completion_mask"][:8].sum()
 
 
 def test_replace_swaps_the_group_for_its_augmented_one(make_trainer, arithmetic):

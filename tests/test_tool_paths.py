@@ -115,6 +115,43 @@ def test_environment_factory_path_maps_recorded_values_to_turns(tmp_path, monkey
             assert torch.isnan(record["values"][i, len(expected):]).all()
 
 
+class RescoresTexts(Plugin):
+    """Asks for the run's rewards of a new text (as a probe-answer plugin does)."""
+
+    @hookimpl
+    def on_batch_end(self, batch, advantages):
+        batch.score_texts([0], ["5"])
+
+
+def test_score_texts_in_an_environment_run_is_refused_by_name(tmp_path, monkeypatch):
+    """TRL passes the rollouts' environments to every reward function; scoring other texts with them would read
+    the rollouts' state (or fail on the count), so the host refuses and says why, naming plugin and hook."""
+    from trl_credit.pipeline import PluginRuntimeError
+
+    trainer = _trainer(tmp_path, monkeypatch, [RescoresTexts], reward_funcs=[st.env_reward],
+                       environment_factory=st.AddEnvironment)
+    with pytest.raises(PluginRuntimeError, match=r"(?s)rescores_texts.*on_batch_end.*cannot score new texts in an "
+                                                 r"`environment_factory` run"):
+        trainer.train()
+
+
+def test_an_environment_method_named_like_a_standalone_tool_is_the_environments():
+    """TRL's tool dict takes the environment's method over a standalone tool of the same name (it runs), so its
+    calls' values are the environment's."""
+    from types import SimpleNamespace
+
+    from trl_credit.trainer import _environment_turn_values
+
+    env = st.AddEnvironment()
+    env.reset()
+    env.add(2, 3)
+    trainer = SimpleNamespace(environments=[env], _batch_environments=[None], _standalone_tools=[st.add],
+                              _env_tools={None: [st.add, env.add]})
+    messages = [{"role": "assistant", "tool_calls": [{}]}, {"role": "tool", "name": "add", "content": "5"},
+                {"role": "assistant", "content": "5"}]
+    assert _environment_turn_values(trainer, [messages]) == [{"total": [5, None]}]
+
+
 def test_values_per_turn_follows_successful_calls_and_names_the_rule():
     messages = [{"role": "assistant", "tool_calls": [{}, {}]},
                 {"role": "tool", "name": "move", "content": "ok"}, {"role": "tool", "name": "look", "content": "x"},
@@ -126,6 +163,31 @@ def test_values_per_turn_follows_successful_calls_and_names_the_rule():
     assert values_per_turn(messages, {"pos": [3, 4]}, {"move"}) == {"pos": [3, None, 4, None]}
     with pytest.raises(ValueError, match=r"Maze.turn_values\['pos'\] holds 3 value\(s\) for 2 successful"):
         values_per_turn(messages, {"pos": [3, 4, 5]}, {"move"}, "Maze")
+
+
+def test_values_of_calls_trl_rolled_back_are_left_out():
+    """TRL runs a turn's calls, then drops their replies when they would overrun ``max_completion_length``: the
+    last turn's calls have no ``tool`` message, and what they recorded (at most one value per call) is left out."""
+    messages = [{"role": "assistant", "tool_calls": [{}]}, {"role": "tool", "name": "move", "content": "ok"},
+                {"role": "assistant", "tool_calls": [{}, {}]}]
+    assert values_per_turn(messages, {"pos": [3, 4]}, {"move"}) == {"pos": [3, None]}
+    assert values_per_turn(messages, {"pos": [3, 4, 5]}, {"move"}) == {"pos": [3, None]}
+    with pytest.raises(ValueError, match=r"holds 4 value\(s\) for 1 successful"):
+        values_per_turn(messages, {"pos": [3, 4, 5, 6]}, {"move"})
+    answered = messages[:2] + [{"role": "assistant", "content": "done"}]  # no unanswered call: exact count
+    with pytest.raises(ValueError, match=r"holds 2 value\(s\) for 1 successful"):
+        values_per_turn(answered, {"pos": [3, 4]}, {"move"})
+
+
+def test_turn_values_of_a_masked_truncated_row_stay_nan():
+    """``mask_truncated_completions`` zeroes a truncated row's masks (no model turn left); its recorded values
+    are not an error, and the row reads NaN."""
+    from trl_credit.testing import make_batch
+
+    batch = make_batch([1, 0], 2, completion_ids=[[5] * 6] * 2, completion_mask=[[0] * 6, [1] * 6],
+                       tool_mask=[[0] * 6, [1] * 6], columns={"progress": [[1.0, 2.0], [3.0]]})
+    values = batch.turn_values("progress")
+    assert torch.isnan(values[0]).all() and values[1, 0] == 3.0
 
 
 def test_turn_values_reads_a_rollout_column_and_refuses_too_many():

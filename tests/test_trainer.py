@@ -331,12 +331,20 @@ def test_refilled_batch_counts_only_its_own_tokens(make_trainer, monkeypatch):
     for start in (0, 8, 16):  # prompts 0, 8, 16 vary; 1-7, 9-15 are constant: refill is needed
         inputs = [copy.deepcopy(trainer.train_dataset[start + i // 4]) for i in range(8)]
         out = trainer._generate_and_score_completions(inputs)
-        if trainer._metrics["train"]["trl_credit/generation_rounds"][-1] > 1:
-            refilled += 1
-            assert out["num_items_in_batch"] == out["completion_mask"].sum()
-        else:
-            assert out["num_items_in_batch"] is sentinel  # one round, all kept: TRL's own count
+        refilled += trainer._metrics["train"]["trl_credit/generation_rounds"][-1] > 1
+        assert out["num_items_in_batch"] == out["completion_mask"].sum()
     assert refilled
+    # one round, all kept: the recount is TRL's own expression, so it gives TRL's own count
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", original)
+    plain = make_trainer(plugins=[fx.Passthrough], reward_funcs=[prompt_gated_reward], loss_type="dapo")
+    plain.model.train()
+    inputs = [copy.deepcopy(plain.train_dataset[i // 4]) for i in range(8)]
+    torch.manual_seed(0)
+    theirs = original(plain, copy.deepcopy(inputs))
+    torch.manual_seed(0)
+    ours = plain._generate_and_score_completions(inputs)
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    assert ours["num_items_in_batch"] == theirs["num_items_in_batch"] == ours["completion_mask"].sum()
 
 
 def _lora():

@@ -227,3 +227,45 @@ def test_scripted_turns_rollout_is_self_consistent():
         assert progress == [(k + 1) / 3 for k in range(turns)] and len(checks) == turns
         assert solved == float(turns == 3) and all(x != x for x in logps)
     assert counts == {1, 2, 3}
+
+
+def test_refill_keeps_the_env_mask_when_only_some_rounds_return_one(tmp_path):
+    """A ``rollout_func`` may return ``env_mask`` in one round and not the next. The refilled batch still has
+    TRL's ``tool_mask`` for the loss: the round's own where it had one, all ones (every token the model's) where
+    not. Before, refill kept only the keys round 0 returned."""
+    from trl_credit import Refill
+    from trl_credit.testing import ScriptedTurns, scripted_turns_reward, train_tiny
+
+    class SecondCallUnmasked(ScriptedTurns):
+        calls = 0
+
+        def __call__(self, prompts, trainer):
+            out = super().__call__(prompts, trainer)
+            SecondCallUnmasked.calls += 1
+            if SecondCallUnmasked.calls == 1:
+                del out["env_mask"]
+            return out
+
+    class DropFirstRound(Plugin):
+        """Drops every group of the step's first generation round, keeps the rest (refill does the work)."""
+
+        rounds = 0
+
+        def refill(self):
+            return Refill(max_rounds=1)
+
+        @hookimpl
+        def filter_rollouts(self, batch):
+            DropFirstRound.rounds += 1
+            return torch.full((batch.num_groups,), DropFirstRound.rounds > 1)
+
+    trainer = train_tiny([DropFirstRound], output_dir=tmp_path, train=False, rollout_func=SecondCallUnmasked(),
+                         reward_funcs=[scripted_turns_reward], max_completion_length=32)
+    trainer.model.train()
+    rows = trainer.train_dataset
+    out = trainer._generate_and_score_completions([dict(rows[i // 4]) for i in range(8)])
+    assert SecondCallUnmasked.calls == 2 and trainer._metrics["train"]["trl_credit/generation_rounds"] == [2.0]
+    # round 0 (no env mask) was dropped whole, so every kept row is round 1's, with its own env mask
+    mask = out["tool_mask"]
+    assert mask.shape == out["completion_mask"].shape
+    assert (mask[out["completion_mask"].bool()] == 0).any()  # round 1's environment replies stay masked

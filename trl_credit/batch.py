@@ -186,7 +186,7 @@ class RolloutBatch:
         out = torch.full((self.num_completions, turns.max_turns), math.nan, dtype=torch.float32)
         counts = turns.count.tolist()
         for i, row in enumerate(values):  # a loop over rows, bounded by the batch
-            if row is None:
+            if row is None or counts[i] == 0:  # no model turn left: TRL masks a truncated row whole
                 continue
             if not isinstance(row, (list, tuple)):
                 raise ValueError(f"turn_values({name!r}): row {i} holds {type(row).__name__}, expected a list with "

@@ -115,6 +115,13 @@ def assemble(trainer: Any, rounds: list[tuple[dict[str, Any], RolloutBatch]], ch
 
     gathered = [{key: gather_padded(acc, output[key], pad_value(key), left=key.startswith("prompt"))
                  for key in per_row if output.get(key) is not None} for output, _ in rounds]
+    for key in dict.fromkeys(k for c in gathered for k in c):  # a key only some rounds have
+        missing = [r for r, c in enumerate(gathered) if key not in c]
+        if missing and key != "tool_mask":
+            raise NotImplementedError(f"refill: generation round(s) {missing} returned no {key!r} while others did; "
+                                      "every round must return the same outputs")
+        for r in missing:  # no tool or environment tokens in that round: every token is the model's
+            gathered[r][key] = torch.ones_like(gathered[r]["completion_mask"])
     batches = [b for _, b in rounds]
     merged: dict[str, torch.Tensor] = {}
     for key in gathered[0]:

@@ -94,7 +94,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             names = [name for name, bad in zip(self.reward_func_names, infinite.any(dim=0).tolist()) if bad]
             raise ValueError(f"reward function(s) {', '.join(names)} returned inf at step {self.state.global_step} "
                              f"({int(infinite.sum())} value(s)); return finite numbers, or None for no reward")
-        if self.pipeline.active:
+        if self.pipeline.active and self.model.training:  # evaluation runs TRL's own generation
             self._credit_round = {"inputs": inputs, "prompts": prompts, "completions": completions, "rewards": rewards,
                                   "env_columns": _environment_turn_values(self, completions)}
         return rewards
@@ -429,9 +429,10 @@ class CreditGRPOTrainer(GRPOTrainer):
         if not all_kept:
             output["completion_mask"] = output["completion_mask"] * local_kept.unsqueeze(1).to(output["completion_mask"].dtype)
             output["trl_credit_kept"] = local_kept
-        if not all_kept or len(rounds) > 1:  # TRL counted the tokens of round 0 as generated: recount
-            mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
-            output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+        # TRL counted the tokens of round 0 as generated; filters, refill and augmentation change them: recount
+        # (TRL's own expression, so the count is unchanged when nothing did)
+        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         self._credit_skip_update = not bool(kept.any())
         if self.pipeline.has("loss_weights") or self.pipeline.has("loss_terms"):
             self._credit_batch = batch  # the loss hooks read it through `rows`
@@ -669,6 +670,10 @@ class TrainerScorer:
     def score_texts(self, rows, inputs, prompts, texts):
         """TRL's ``_calculate_rewards`` (GRPOTrainer's own, not the host's stash) on an equal share per rank."""
         t, acc = self.trainer, self.trainer.accelerator
+        if t.environments is not None:  # TRL would pass the rollouts' environments to rewards of other texts
+            raise ValueError("score_texts cannot score new texts in an `environment_factory` run: TRL passes the "
+                             "rollouts' environments to every reward function, and their state belongs to those "
+                             "rollouts; score with a reward function of the text alone, outside the environment")
         world, rank = acc.num_processes, acc.process_index
         m = len(texts)
         padded = list(range(m)) + [m - 1] * (-m % world)  # every rank scores the same count (TRL gathers)
@@ -866,8 +871,9 @@ def _environment_turn_values(trainer: CreditGRPOTrainer, completions: list) -> l
                                                      for k, v in recorded.items()):
             raise ValueError(f"{owner}.turn_values must be a dict of name -> list (one value per successful tool "
                              f"call), got {recorded!r:.120}")
-        standalone = {tool.__name__ for tool in trainer._standalone_tools}
-        tool_names = {tool.__name__ for tool in trainer._env_tools[name]} - standalone  # the environment's methods
+        # the environment's methods; one named like a standalone tool replaces it in TRL's tool dict
+        tool_names = {tool.__name__ for tool in trainer._env_tools[name]
+                      if not any(tool is own for own in trainer._standalone_tools)}
         out.append(values_per_turn(messages, recorded, tool_names, owner))
     return out
 

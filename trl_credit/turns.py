@@ -124,25 +124,33 @@ def values_per_turn(messages: list, recorded: dict[str, list], tool_names: set[s
     its tool methods that succeeds. The j-th value belongs to the j-th successful call (a ``tool`` message
     named after one of ``tool_names`` whose content is not TRL's error) and so to the model turn that made
     it; a turn that made several calls takes the last one's value, a turn without one gets None.
+
+    TRL runs a turn's calls before it checks the length: when their results would overrun
+    ``max_completion_length`` it removes the ``tool`` messages again and ends the rollout, so the last model
+    turn's calls have no reply. Values recorded by those calls (at most one per call) are left out.
     """
     turn_of_call: list[int] = []
     turn = -1
+    unanswered = 0  # tool calls of the last model turn that no `tool` message answers
     for message in messages if isinstance(messages, list) else []:
         role = message.get("role") if isinstance(message, dict) else None
         if role == "assistant":
             turn += 1
-        elif role == "tool" and turn >= 0 and message.get("name") in tool_names:
+            unanswered = len(message.get("tool_calls") or [])
+        elif role == "tool" and turn >= 0:
+            unanswered = 0
             content = message.get("content")
-            if not (isinstance(content, str) and content.startswith(_ERROR_PREFIX)):
+            if message.get("name") in tool_names and not (isinstance(content, str)
+                                                          and content.startswith(_ERROR_PREFIX)):
                 turn_of_call.append(turn)
     out = {}
     for name, values in recorded.items():
-        if len(values) != len(turn_of_call):
+        if not len(turn_of_call) <= len(values) <= len(turn_of_call) + unanswered:
             raise ValueError(f"{owner}.turn_values[{name!r}] holds {len(values)} value(s) for {len(turn_of_call)} "
                              "successful tool call(s); append exactly one value in each call that succeeds "
                              "(none in one that raises)")
         per_turn: list = [None] * (turn + 1)
-        for k, value in zip(turn_of_call, values):
+        for k, value in zip(turn_of_call, values):  # zip stops before the unanswered calls' values
             per_turn[k] = value
         out[name] = per_turn
     return out

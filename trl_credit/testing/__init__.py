@@ -36,12 +36,12 @@ from trl_credit.plugin import Plugin, RunInfo, near_misses
 from trl_credit.plugins import available, implemented_hooks, new_manager
 from trl_credit.checkpoint import STATE_FILE, CheckpointError, read_state, write_state
 from trl_credit.testing.tiny import (ScriptedTurns, answer_reward, scripted_turns_reward, tiny_dataset, tiny_model,
-                                     tiny_model_path, tiny_tokenizer, train_tiny)
+                                     tiny_model_path, tiny_tokenizer, train_scripted_turns, train_tiny)
 
 __all__ = ["AdapterUpdate", "PluginResult", "answer_reward", "check_args", "check_plugin", "default_args", "difficulty_reward",
            "edge_case_batches", "load_plugin", "LossResult", "loss_inputs", "STATE_FILE", "make_batch", "plugin_set",
            "run_curriculum", "run_loss", "run_plugin", "ScriptedTurns", "scripted_turns_reward", "tools",
-           "tiny_dataset", "tiny_model", "tiny_model_path", "tiny_tokenizer", "train_tiny"]
+           "tiny_dataset", "tiny_model", "tiny_model_path", "tiny_tokenizer", "train_scripted_turns", "train_tiny"]
 
 
 def __getattr__(name: str) -> Any:

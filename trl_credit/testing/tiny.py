@@ -275,3 +275,29 @@ def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs
     if train:
         trainer.train()
     return trainer
+
+
+def train_scripted_turns(plugin: Any, *, output_dir: str | os.PathLike[str], **kwargs: Any) -> tuple[Any, Any, Any]:
+    """A real 2-step run of ``plugin`` (a name, class or ``{"name": ..., **options}``) on `ScriptedTurns` rollouts
+    (reward `scripted_turns_reward`, completions of at most 32 tokens); ``kwargs`` as for `train_tiny`.
+
+    Returns ``(trainer, batch, advantages)``: the last finished `RolloutBatch` and the advantages the step trained
+    on, to compare with `run_plugin` on the same batch (a plugin's formula on what the host really passed).
+    """
+    from trl_credit import Plugin, hookimpl
+
+    seen: list = []
+
+    class Record(Plugin):
+        """Keeps the finished batch and its advantages."""
+
+        @hookimpl
+        def on_batch_end(self, batch, advantages):
+            seen.append((batch, advantages.clone()))
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    values = dict(rollout_func=ScriptedTurns(), reward_funcs=[scripted_turns_reward], max_completion_length=32)
+    values.update(kwargs)
+    trainer = train_tiny([plugin, Record], output_dir=output_dir, **values)
+    batch, advantages = seen[-1]
+    return trainer, batch, advantages

@@ -119,7 +119,8 @@ def test_separate_mode_normalises_gains_and_outcomes_apart():
 
 def test_edge_cases_empty_completion_one_step_and_nan_outcome():
     texts = ["1 + 1 = 2\n2", "2", "3", "4"]
-    batch, ids = igpo_batch(texts, outcome=(1.0, None, 0.0, 1.0), p={0: [0.2, 0.6], 1: [0.3], 2: [0.3], 3: [0.3]})
+    # only row 0 has two steps: the one-step rows earn their outcome and read no P (the scorer raises for them)
+    batch, ids = igpo_batch(texts, outcome=(1.0, None, 0.0, 1.0), p={0: [0.2, 0.6]})
     a = run_plugin(IGPO, batch).advantages
     assert torch.isfinite(a).all()
     assert torch.equal(a[1], torch.zeros_like(a[1]))  # NaN outcome: its only turn gets 0
@@ -191,4 +192,41 @@ def test_turn_mode_on_a_multi_turn_rollout_reproduces_the_vector():
                              [-1.535705, -1.535705, 0, -0.702780, 0, 0, 0, 0]])
     torch.testing.assert_close(a, expected, atol=1e-5, rtol=0)  # environment tokens get 0
     capped = run_plugin(IGPO, batch, {"segments": "turns", "max_steps": 2}).advantages
-    assert torch.isfinite(capped).all() and capped[0, 0] == capped[0, 4]  # turn 1 merged into the first kept
+    # c1's turns 0 and 1 merge into its first kept turn (prefix 0), turn 2 starts at 7: gains [0.5 - 0.1, 0.15 - 0.2]
+    pool = torch.tensor([0.4, 1.0, -0.05, 0.0])  # c1: IG, outcome; c2: IG, outcome
+    z = (pool - pool.mean()) / ((((pool - pool.mean()) ** 2).mean() + 1e-8).sqrt() + 1e-6)
+    first, last = z[0] + z[1], z[1]
+    expected = torch.tensor([[first, first, 0, 0, first, first, 0, last],
+                             [z[2] + z[3], z[2] + z[3], 0, z[3], 0, 0, 0, 0]])
+    torch.testing.assert_close(capped, expected, atol=1e-5, rtol=0)
+    assert capped[0, 0].item() == pytest.approx(1.724630, abs=1e-5)
+
+
+def test_turn_mode_reads_no_probability_for_one_turn_rows():
+    """A one-turn row earns its outcome; IGPO scores no prefix for it (the scorer raises if asked), and a batch
+    without any model turn (every row masked as truncated) gives zeros."""
+    def fn(row, end, text, model):
+        raise AssertionError(f"scored row {row} at {end}")
+
+    batch = make_batch([1.0, 0.0], 2, completion_mask=[[1] * 4] * 2, tool_mask=[[1] * 4] * 2,
+                       columns={"answer": ["5", "5"]}, prefix_logps_fn=fn)
+    a = run_plugin(IGPO, batch, {"segments": "turns"}).advantages
+    torch.testing.assert_close(a, torch.tensor([[1.0] * 4, [-1.0] * 4]), atol=1e-5, rtol=0)
+    empty = make_batch([1.0, 0.0], 2, completion_mask=[[0] * 4] * 2, tool_mask=[[1] * 4] * 2,
+                       columns={"answer": ["5", "5"]}, prefix_logps_fn=fn)
+    assert torch.equal(run_plugin(IGPO, empty, {"segments": "turns"}).advantages, torch.zeros(2, 4))
+
+
+def test_turn_mode_on_a_real_multi_turn_run_is_the_formula(tmp_path):
+    """A real run on the kit's scripted multi-turn rollouts: what was trained on is IGPO on the recorded batch (the
+    gold scores are the cached ones of the real prefix pass), 0 on the environment's tokens."""
+    from trl_credit.testing import train_scripted_turns
+
+    options = {"segments": "turns"}
+    trainer, batch, advantages = train_scripted_turns({"name": "igpo", **options}, output_dir=tmp_path)
+    logs = trainer.state.log_history[0]
+    assert math.isfinite(logs["loss"]) and logs["trl_credit/cost/prefix_sequences"] > 0
+    turns = batch.turns()
+    assert int(turns.count.max()) > 1 and advantages.dim() == 2
+    torch.testing.assert_close(advantages, run_plugin(IGPO, batch, options).advantages)
+    assert advantages[turns.model].abs().sum() > 0 and advantages[turns.env].abs().sum() == 0

@@ -115,6 +115,15 @@ def test_gold_probability_potential():
     torch.testing.assert_close(a, per_token([[0.3, 0.3, 0], [0.3, 0.3, 0], [0.3, 0], [0.0, 0]]), atol=1e-6, rtol=0)
     # only the histories a step reads are scored: not the end of a completion
     assert sorted(set(seen)) == [(0, 0), (0, 3), (0, 6), (1, 0), (1, 3), (1, 6), (2, 0), (2, 3), (3, 0), (3, 3)]
+    # a one-turn row has no step and a non-member's credit is 0: neither is scored
+    seen.clear()
+    one_turn = batch_of(tool=TOOL[:3] + [[1, 1, 1, 1, 0, 0, 0]], outcome=(1.0, None, 1.0, 0.0),
+                        columns={"answer": ["3"] * 4}, prefix_logps_fn=lambda *a: seen.append(a[:2]) or fn(*a))
+    run_plugin(PiCA, one_turn, {"potential": "gold"})
+    assert sorted(set(seen)) == [(0, 0), (0, 3), (0, 6), (2, 0), (2, 3)]
+    single = batch_of(tool=[[1] * 7] * 4, columns={"answer": ["3"] * 4})  # no scorer: one turn reads nothing
+    outcome_only = run_plugin(PiCA, single, {"potential": "gold"}).advantages
+    assert torch.equal(outcome_only, run_plugin(PiCA, single, {"potential": "gold", "coef": 0.0}).advantages)
 
 
 def test_column_potential_with_the_groups_prior():
@@ -262,4 +271,5 @@ def test_trains_on_scripted_turns(tmp_path, monkeypatch, options):
     assert credit.abs().max() > 0
     if options.get("potential") == "gold":  # the potentials are probabilities of the gold answer, not outcomes
         phi = PiCA(PiCA.Config(**options)).potentials(batch, batch.total_reward(), batch.kept)
-        assert bool(((phi > 0) & (phi < 1))[:, 0].all())
+        read = batch.kept & (batch.turns().count >= 2)  # the rows with a step: the only ones scored
+        assert read.any() and bool(((phi > 0) & (phi < 1))[read, 0].all()) and bool(phi[~read, 0].isnan().all())

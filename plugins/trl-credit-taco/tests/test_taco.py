@@ -227,7 +227,14 @@ def test_max_turns_merges_early_turns():
     a = run_plugin(TACO, turn_batch(calls=calls), {"num_samples": 2, "max_turns": 2}).advantages
     # rows 0 and 2 keep turns (0-1 merged, 2): probes at 0 and 7 only; d row 0 = [1], row 1 = [-1], row 2 = [0]
     assert sorted({(r, e) for r, e, _ in calls}) == [(0, 0), (0, 7), (1, 0), (1, 4), (2, 0), (2, 7)]
-    assert a[0, 0] == a[0, 4] and torch.isfinite(a).all()
+    # the pool [1, -1, 0]: mean 0, sigma sqrt(2/3) -> Z = +-1 / (sqrt(2/3) + 1e-6); row 2's idle call is blamed
+    z = 1 / (math.sqrt(2 / 3) + 1e-6)
+    expected = torch.tensor([
+        [0.5 + z, 0.5 + z, 0, 0, 0.5 + z, 0.5 + z, 0, 0.5],
+        [-z, -z, 0, 0, 0.5, 0.5, 0, 0],
+        [-0.5, -0.5, 0, 0, -0.5, -0.5, 0, -0.5],
+        [-0.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]])
+    torch.testing.assert_close(a, expected, atol=1e-6, rtol=0)
 
 
 # -- taco_probe on steps -------------------------------------------------------------------------------------------

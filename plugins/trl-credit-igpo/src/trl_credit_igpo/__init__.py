@@ -160,7 +160,7 @@ class IGPO(Plugin):
         k = max(int(turns.max()) if n else 1, 1)
         column = torch.arange(k, device=starts.device).unsqueeze(0)
         source = (column + offset.unsqueeze(1)).clamp(max=max(starts.shape[1] - 1, 0))
-        before = starts.gather(1, source) if starts.shape[1] else torch.zeros(n, k, dtype=torch.long)
+        before = starts.gather(1, source) if starts.shape[1] else torch.zeros(n, k, dtype=torch.long, device=starts.device)
         before[:, 0] = 0
         before = torch.where(column < turns.unsqueeze(1), before, -1)
         token_turn = torch.where(info.index >= 0, (info.index - offset.unsqueeze(1)).clamp(min=0, max=k - 1), -1)
@@ -176,7 +176,9 @@ class IGPO(Plugin):
         k = before.shape[1]
         scorable = batch.scorable.to(before.device)  # no reward function scored it: not scored, no statistics, 0
         has_gold = torch.tensor([has_answer(a) for a in batch.column(cfg.column)], dtype=torch.bool, device=before.device)
-        before = torch.where((scorable & has_gold).unsqueeze(1), before, -1)  # no gold answer: no IG, the outcome stays
+        # no gold answer: no IG, the outcome stays; one turn: it earns the outcome, so no P is read
+        multi = turns.to(before.device) >= 2
+        before = torch.where((scorable & has_gold & multi).unsqueeze(1), before, -1)
         p = self.gold_probability(batch, before).nan_to_num(0.0)
         outcome = batch.reward(cfg.reward) if cfg.reward else batch.total_reward()
         rewards, valid = information_gain(p, turns.to(p.device), outcome.to(p.device))

@@ -231,9 +231,11 @@ class PiCA(Plugin):
                 self.log_metric(batch, "shared_states", float((sharers[:, 1:][step] > 1).float().mean()))
             return phi
         gold = [str(a) for a in batch.column(cfg.answer_column)]
-        # only the histories a step reward reads: h_0 .. h_K-1 (the last turn is credited by the outcome)
-        needed = torch.where(torch.arange(ends.shape[1], device=device).unsqueeze(0)
-                             < turns.count.to(device).unsqueeze(1), ends, -1)
+        # only the histories a step reward reads: h_0 .. h_K-1 of members with a step (K >= 2; the last turn is
+        # credited by the outcome, and a non-member's credit is 0)
+        count = turns.count.to(device).unsqueeze(1)
+        read = (torch.arange(ends.shape[1], device=device).unsqueeze(0) < count) & (count >= 2) & members.unsqueeze(1)
+        needed = torch.where(read, ends, -1)
         mean = batch.prefix_logps(needed, gold, model=cfg.model, reduce="mean", context=cfg.cue or None)
         return mean.to(device).exp()
 
@@ -264,8 +266,9 @@ class PiCA(Plugin):
     def _metrics(self, batch, phi, f, pool, members, credit, count) -> None:
         import torch
 
-        if bool(members.any()):
-            self.log_metric(batch, "potential_start", float(phi[members, 0].nanmean()))
+        start = phi[members, 0]
+        if bool(torch.isfinite(start).any()):  # the gold potential is read only where a step needs it
+            self.log_metric(batch, "potential_start", float(start.nanmean()))
         if bool(pool.any()):
             self.log_metric(batch, "step_reward", float(f[pool].mean()))
             self.log_metric(batch, "positive_steps", float((f[pool] > 0).float().mean()))
