@@ -1,7 +1,7 @@
 """How much does trl-credit cost?  Two measurements, one report.
 
 1. **Trainer overhead**: vanilla ``trl.GRPOTrainer`` vs ``trl_credit.CreditGRPOTrainer`` (no plugins unless
-   ``--plugins``), same seed, model and data, run in ABBA order (A B B A A B ...) so that slow drift of a
+   ``--plugins``; on CPU the vanilla arm scores only the completion tokens, as the host does), same seed, model and data, run in ABBA order (A B B A A B ...) so that slow drift of a
    shared machine hits both equally. Per-step wall time is the time between consecutive ``on_step_end``
    callbacks (data loading, generation, scoring, the host's seams, backward, optimiser and logging); the
    first step of every run is a warm-up and is skipped. Reported: per-repeat ratio host/vanilla of the
@@ -131,6 +131,21 @@ def _step_timer(profiler=None):
     return StepTimer(profiler)
 
 
+def _vanilla_class():
+    """TRL's `GRPOTrainer`, scoring as the host does on CPU (only the completion tokens, the same log-probs), so
+    the host/vanilla ratio measures the seams and not that scoring change (`trl_credit/trainer.py`)."""
+    from trl import GRPOTrainer
+
+    from trl_credit.trainer import _score_valid_positions_only
+
+    class VanillaGRPOTrainer(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            with _score_valid_positions_only(self.args):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    return VanillaGRPOTrainer
+
+
 def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.Namespace, out_dir: str,
                 profile: bool = False) -> dict:
     """One run of ``steps`` optimiser steps (the first is the warm-up); returns per-step seconds and logs.
@@ -138,7 +153,7 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
     ``profile``: run the steps after the warm-up under cProfile and return the self time (``tottime``)
     of every function defined in the ``trl_credit`` package, i.e. the host's own Python work.
     """
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from trl_credit.app.rewards import arithmetic_accuracy
     from trl_credit.trainer import CreditGRPOTrainer
@@ -168,7 +183,7 @@ def _train_once(kind: str, model: str, dataset: Any, steps: int, args: argparse.
     rewards = [arithmetic_accuracy, *getattr(args, "extra_rewards", [])]
     common = dict(model=model, reward_funcs=rewards, args=config, train_dataset=dataset, callbacks=[timer])
     if kind == "vanilla":
-        trainer = GRPOTrainer(**common)
+        trainer = _vanilla_class()(**common)
     else:
         trainer = CreditGRPOTrainer(**common, plugins=list(args.plugins or []))
     trainer.train()

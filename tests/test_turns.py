@@ -246,8 +246,8 @@ def test_refill_keeps_the_env_mask_when_only_some_rounds_return_one(tmp_path):
                 del out["env_mask"]
             return out
 
-    class DropFirstRound(Plugin):
-        """Drops every group of the step's first generation round, keeps the rest (refill does the work)."""
+    class KeepFirstGroup(Plugin):
+        """Keeps only group 0 of the step's first generation round and every group after (refill tops up)."""
 
         rounds = 0
 
@@ -256,16 +256,19 @@ def test_refill_keeps_the_env_mask_when_only_some_rounds_return_one(tmp_path):
 
         @hookimpl
         def filter_rollouts(self, batch):
-            DropFirstRound.rounds += 1
-            return torch.full((batch.num_groups,), DropFirstRound.rounds > 1)
+            KeepFirstGroup.rounds += 1
+            keep = torch.ones(batch.num_groups, dtype=torch.bool)
+            keep[1:] = KeepFirstGroup.rounds > 1
+            return keep
 
-    trainer = train_tiny([DropFirstRound], output_dir=tmp_path, train=False, rollout_func=SecondCallUnmasked(),
+    trainer = train_tiny([KeepFirstGroup], output_dir=tmp_path, train=False, rollout_func=SecondCallUnmasked(),
                          reward_funcs=[scripted_turns_reward], max_completion_length=32)
     trainer.model.train()
     rows = trainer.train_dataset
     out = trainer._generate_and_score_completions([dict(rows[i // 4]) for i in range(8)])
     assert SecondCallUnmasked.calls == 2 and trainer._metrics["train"]["trl_credit/generation_rounds"] == [2.0]
-    # round 0 (no env mask) was dropped whole, so every kept row is round 1's, with its own env mask
-    mask = out["tool_mask"]
-    assert mask.shape == out["completion_mask"].shape
-    assert (mask[out["completion_mask"].bool()] == 0).any()  # round 1's environment replies stay masked
+    # rows 0-3: round 0's kept group (no env mask), rows 4-7: round 1's first group (its own env mask)
+    mask, valid = out["tool_mask"], out["completion_mask"].bool()
+    assert mask.shape == valid.shape
+    assert (mask[:4][valid[:4]] == 1).all()  # every token of the unmasked round is the model's
+    assert (mask[4:][valid[4:]] == 0).any()  # round 1's environment replies stay masked

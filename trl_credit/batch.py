@@ -179,7 +179,9 @@ class RolloutBatch:
         Read from the column ``name``: one list per completion whose k-th entry (a number or None) belongs to
         the model's k-th turn. A ``rollout_func`` returns such a column as an extra field; an
         ``environment_factory`` environment keeps ``self.turn_values = {name: [...]}`` (the host copies it
-        after each rollout). ``K`` is `Turns.max_turns`; a list longer than its completion's turns is an error.
+        after each rollout). ``K`` is `Turns.max_turns`; a list longer than its completion's turns is an error,
+        except on a row with no model turn left (``mask_truncated_completions`` masks a truncated row whole),
+        which reads NaN.
         """
         turns = self.turns()
         values = self.column(name)
@@ -521,7 +523,8 @@ class RolloutBatch:
         The texts are scored as completions of row ``rows[j]``'s prompt, with its dataset columns, through
         TRL's ``_calculate_rewards`` (conversational prompts get ``[{"role": "assistant", "content": text}]``),
         so a probe's forced answer (MRT) is judged exactly as a rollout. NaN where a function returned None.
-        Collective: every rank must call it with the same arguments.
+        Collective: every rank must call it with the same arguments. Refused in an ``environment_factory`` run:
+        TRL passes the rollouts' environments to every reward function, and their state is not the texts'.
         """
         import torch
 

@@ -52,7 +52,8 @@ class Pipeline:
     # ---------------------------------------------------------------- queries
     @property
     def active(self) -> bool:
-        """False when no plugin is enabled: the trainer then runs TRL's code path untouched."""
+        """False when no plugin is enabled: the trainer then runs TRL's code path untouched (on CPU it scores
+        only the completion tokens: `trl_credit.trainer`)."""
         return bool(self.plugins.plugins)
 
     def has(self, hook: str) -> bool:

@@ -871,7 +871,8 @@ def _environment_turn_values(trainer: CreditGRPOTrainer, completions: list) -> l
                                                      for k, v in recorded.items()):
             raise ValueError(f"{owner}.turn_values must be a dict of name -> list (one value per successful tool "
                              f"call), got {recorded!r:.120}")
-        # the environment's methods; one named like a standalone tool replaces it in TRL's tool dict
+        # the environment's methods; one named like a standalone tool replaces it in TRL's tool dict (unless one is
+        # async and the other not: TRL keeps them in two dicts and runs the sync one; not mapped here)
         tool_names = {tool.__name__ for tool in trainer._env_tools[name]
                       if not any(tool is own for own in trainer._standalone_tools)}
         out.append(values_per_turn(messages, recorded, tool_names, owner))

@@ -277,27 +277,46 @@ def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs
     return trainer
 
 
+
 def train_scripted_turns(plugin: Any, *, output_dir: str | os.PathLike[str], **kwargs: Any) -> tuple[Any, Any, Any]:
     """A real 2-step run of ``plugin`` (a name, class or ``{"name": ..., **options}``) on `ScriptedTurns` rollouts
     (reward `scripted_turns_reward`, completions of at most 32 tokens); ``kwargs`` as for `train_tiny`.
 
-    Returns ``(trainer, batch, advantages)``: the last finished `RolloutBatch` and the advantages the step trained
-    on, to compare with `run_plugin` on the same batch (a plugin's formula on what the host really passed).
+    Returns ``(trainer, batch, trained)``: the last finished `RolloutBatch` and the advantages TRL's loss received
+    for it, row by row from its micro-batches (``(N, T)``, or ``(N,)`` for per-completion advantages). Compare
+    them with `run_plugin` on ``batch`` to check that what trained is the plugin's output on what the host passed.
     """
+    from unittest import mock
+
+    import torch
+
     from trl_credit import Plugin, hookimpl
 
     seen: list = []
 
     class Record(Plugin):
-        """Keeps the finished batch and its advantages."""
+        """Keeps each finished batch, and the advantages each loss micro-batch of it received."""
 
         @hookimpl
         def on_batch_end(self, batch, advantages):
-            seen.append((batch, advantages.clone()))
+            seen.append((batch, torch.full_like(advantages, float("nan"))))
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        @hookimpl
+        def loss_terms(self, loss):
+            trained = seen[-1][1]
+            rows = loss.rows.to(trained.device)
+            if trained.dim() == 2:
+                trained[rows, :loss.advantages.shape[1]] = loss.advantages.detach().to(trained)
+            else:
+                trained[rows] = loss.advantages.detach().to(trained).reshape(-1)
+            return {}
+
     values = dict(rollout_func=ScriptedTurns(), reward_funcs=[scripted_turns_reward], max_completion_length=32)
     values.update(kwargs)
-    trainer = train_tiny([plugin, Record], output_dir=output_dir, **values)
-    batch, advantages = seen[-1]
-    return trainer, batch, advantages
+    if not values.get("train", True):
+        raise ValueError("train_scripted_turns trains; use train_tiny(train=False) for an untrained trainer")
+    silence = os.environ.get("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that rollout_func is experimental
+    with mock.patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": silence}):
+        trainer = train_tiny([plugin, Record], output_dir=output_dir, **values)
+    batch, trained = seen[-1]
+    return trainer, batch, trained

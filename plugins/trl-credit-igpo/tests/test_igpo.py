@@ -217,16 +217,30 @@ def test_turn_mode_reads_no_probability_for_one_turn_rows():
     assert torch.equal(run_plugin(IGPO, empty, {"segments": "turns"}).advantages, torch.zeros(2, 4))
 
 
-def test_turn_mode_on_a_real_multi_turn_run_is_the_formula(tmp_path):
-    """A real run on the kit's scripted multi-turn rollouts: what was trained on is IGPO on the recorded batch (the
-    gold scores are the cached ones of the real prefix pass), 0 on the environment's tokens."""
+def test_turn_mode_on_a_real_multi_turn_run_is_what_trains(tmp_path):
+    """A real run on the kit's scripted multi-turn rollouts. What TRL's loss trained on is IGPO's output on the
+    recorded batch, and that output is the paper's composition rebuilt here from the vector-tested pieces:
+    P before each turn (after the environment's reply) -> information gain, the last turn's outcome -> joint z-score
+    over the group -> backward sum, on the model's tokens (0 on the environment's)."""
     from trl_credit.testing import train_scripted_turns
 
     options = {"segments": "turns"}
-    trainer, batch, advantages = train_scripted_turns({"name": "igpo", **options}, output_dir=tmp_path)
+    trainer, batch, trained = train_scripted_turns({"name": "igpo", **options}, output_dir=tmp_path)
     logs = trainer.state.log_history[0]
     assert math.isfinite(logs["loss"]) and logs["trl_credit/cost/prefix_sequences"] > 0
     turns = batch.turns()
-    assert int(turns.count.max()) > 1 and advantages.dim() == 2
-    torch.testing.assert_close(advantages, run_plugin(IGPO, batch, options).advantages)
-    assert advantages[turns.model].abs().sum() > 0 and advantages[turns.env].abs().sum() == 0
+    assert int(turns.count.max()) > 1 and trained.dim() == 2
+    seen = ~trained.isnan()  # the positions the loss received (its width may be narrower than the batch's)
+    assert seen.any(dim=1).all()
+    torch.testing.assert_close(trained[seen], run_plugin(IGPO, batch, options).advantages[seen])
+    assert trained[seen & turns.model].abs().sum() > 0 and trained[seen & turns.env].abs().sum() == 0
+    # rebuilt: P_k read where turn k starts (turn 0: after the prompt), only for rows of two or more turns
+    count = turns.count
+    k = torch.arange(turns.max_turns).unsqueeze(0)
+    before = torch.where((k < count.unsqueeze(1)) & (count >= 2).unsqueeze(1), turns.starts(), -1)
+    before[:, 0] = torch.where(count >= 2, 0, -1)
+    gold = [str(a) for a in batch.column("answer")]
+    p = batch.prefix_logps(before, gold, model="policy", reduce="mean", context=IGPO_CUE).exp().nan_to_num(0.0)
+    rewards, valid = information_gain(p, count.clamp(min=1), batch.total_reward())
+    rebuilt = turns.broadcast(accumulate(normalise(rewards, valid, batch.num_generations), 1.0))
+    torch.testing.assert_close(trained[seen], rebuilt[seen], atol=1e-5, rtol=0)
