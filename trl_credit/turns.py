@@ -37,6 +37,8 @@ class Turns:
     - ``lengths``: ``(N, K)`` tokens of each turn (0 past a completion's last turn).
     - ``calls``, ``failures``: ``(N, K)`` tool calls the model made in each turn and how many of them failed
       (TRL's ``tools`` / ``environment_factory`` paths; 0 on other rollouts). Per completion: ``.sum(1)``.
+      ``calls`` counts what the model asked for, so a last turn's calls that got no reply (TRL's tool-call limit,
+      or replies it removed as too long) count here but not in TRL's ``tools/call_frequency``.
     """
 
     index: torch.Tensor
