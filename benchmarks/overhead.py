@@ -1,14 +1,15 @@
 """How much does trl-credit cost?  Two measurements, one report.
 
 1. **Trainer overhead**: vanilla ``trl.GRPOTrainer`` vs ``trl_credit.CreditGRPOTrainer`` (no plugins unless
-   ``--plugins``; on CPU the vanilla arm scores only the completion tokens, as the host does), same seed, model and data, run in ABBA order (A B B A A B ...) so that slow drift of a
-   shared machine hits both equally. Per-step wall time is the time between consecutive ``on_step_end``
-   callbacks (data loading, generation, scoring, the host's seams, backward, optimiser and logging); the
-   first step of every run is a warm-up and is skipped. Reported: per-repeat ratio host/vanilla of the
-   median step times (min / median / max) and the pooled ratio, for wall time and for process CPU time
-   (less sensitive to other processes on the machine). Target with no plugins: <= 1.02. On a busy machine
-   both ratios are dominated by noise, so one more host run is profiled (``--profile-host``): the self
-   time of the host's own functions per step is a machine-noise-free bound on the overhead.
+   ``--plugins``; on CPU the vanilla arm scores only the completion tokens, as the host does), same seed, model
+   and data, run in ABBA order (A B B A A B ...) so that slow drift of a shared machine hits both equally.
+   Per-step wall time is the time between consecutive ``on_step_end`` callbacks (data loading, generation,
+   scoring, the host's seams, backward, optimiser and logging); the first step of every run is a warm-up and is
+   skipped. Reported: per-repeat ratio host/vanilla of the median step times (min / median / max) and the pooled
+   ratio, for wall time and for process CPU time (less sensitive to other processes on the machine). Target with
+   no plugins: <= 1.02. On a busy machine both ratios are dominated by noise, so one more host run is profiled
+   (``--profile-host``): the self time of the host's own functions per step is a machine-noise-free bound on the
+   overhead.
 
 2. **Hook cost**: one call of each hook family, through the host's `Pipeline` (so the host's own checks
    are included), on a synthetic `RolloutBatch` of N completions x T tokens (G completions per prompt),
@@ -136,12 +137,10 @@ def _vanilla_class():
     the host/vanilla ratio measures the seams and not that scoring change (`trl_credit/trainer.py`)."""
     from trl import GRPOTrainer
 
-    from trl_credit.trainer import _score_valid_positions_only
+    from trl_credit.trainer import ValidPositionScoring
 
-    class VanillaGRPOTrainer(GRPOTrainer):
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            with _score_valid_positions_only(self.args):
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+    class VanillaGRPOTrainer(ValidPositionScoring, GRPOTrainer):
+        pass
 
     return VanillaGRPOTrainer
 

@@ -6,8 +6,8 @@ original: ``_calculate_rewards`` (to keep the round's inputs), the *tail* of
 filtered, advantages recomputed), ``compute_loss`` (non-dilution factor for per-sequence losses;
 loss plugins: token weights passed as TRL's ``tool_mask``, clip bounds as its ``epsilon_low`` /
 ``epsilon_high``, TRL's own ``_get_per_token_logps_and_entropies`` output kept for extra terms),
-``_get_per_token_logps_and_entropies`` (on CPU, only valid positions are scored: same log-probs, several
-times faster), ``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
+``_get_per_token_logps_and_entropies`` (through the `ValidPositionScoring` mixin: on CPU only valid positions
+are scored, the same log-probs, several times faster), ``_get_train_sampler`` (curricula), ``create_optimizer`` (skip all-dropped updates) and
 ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` (plugin state, auxiliary adapters). Auxiliary
 adapters (`trl_credit.adapters`) are added to TRL's PEFT model at the end of ``__init__``, before TRL
 builds its optimiser. With no plugins enabled every seam returns TRL's result untouched (on CPU the
@@ -44,7 +44,17 @@ from trl_credit.sampler import CurriculumSampler
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # loss averages over rows, so dropped rows dilute
 
 
-class CreditGRPOTrainer(GRPOTrainer):
+class ValidPositionScoring:
+    """A `trl.GRPOTrainer` mixin: its ``_get_per_token_logps_and_entropies`` under `_score_valid_positions_only`
+    (on CPU, only the completion tokens are scored). `CreditGRPOTrainer` has it; benchmarks/overhead.py gives
+    it to plain TRL so that its host/vanilla ratio measures the seams."""
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with _score_valid_positions_only(self.args):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+
+class CreditGRPOTrainer(ValidPositionScoring, GRPOTrainer):
     """`trl.GRPOTrainer` plus ``plugins``: a list of names or ``{"name": ..., **options}`` (or a `PluginSet`).
 
     Plugins act in the order given within each hook family. Everything else is GRPOTrainer's.
@@ -219,10 +229,6 @@ class CreditGRPOTrainer(GRPOTrainer):
             epsilon_low=float(self.epsilon_low), epsilon_high=float(self.epsilon_high),
             beta=float(self.beta if beta is None else beta), max_completion_length=self.max_completion_length,
             num_items=num_items, step=self.state.global_step)  # fmt: skip
-
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        with _score_valid_positions_only(self.args):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _get_train_sampler(self, dataset=None):
         if self.pipeline.has("prompt_weights"):

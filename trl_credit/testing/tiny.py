@@ -277,20 +277,22 @@ def train_tiny(plugins: Any, *, output_dir: str | os.PathLike[str], reward_funcs
     return trainer
 
 
-
 def train_scripted_turns(plugin: Any, *, output_dir: str | os.PathLike[str], **kwargs: Any) -> tuple[Any, Any, Any]:
     """A real 2-step run of ``plugin`` (a name, class or ``{"name": ..., **options}``) on `ScriptedTurns` rollouts
     (reward `scripted_turns_reward`, completions of at most 32 tokens); ``kwargs`` as for `train_tiny`.
 
-    Returns ``(trainer, batch, trained)``: the last finished `RolloutBatch` and the advantages TRL's loss received
-    for it, row by row from its micro-batches (``(N, T)``, or ``(N,)`` for per-completion advantages). Compare
-    them with `run_plugin` on ``batch`` to check that what trained is the plugin's output on what the host passed.
+    Asserts that the last finished batch has a multi-turn completion, that TRL's loss received every row of it,
+    and that what it received is the plugin's output on that batch (`run_plugin`): what trains is the plugin's
+    formula on what the host passed. Returns ``(trainer, batch, trained)``: ``trained`` holds the advantages the
+    loss received, row by row from its micro-batches (``(N, T)``, or ``(N,)`` for per-completion advantages), NaN
+    at positions past the loss's width.
     """
     from unittest import mock
 
     import torch
 
     from trl_credit import Plugin, hookimpl
+    from trl_credit.testing import run_plugin
 
     seen: list = []
 
@@ -319,4 +321,10 @@ def train_scripted_turns(plugin: Any, *, output_dir: str | os.PathLike[str], **k
     with mock.patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": silence}):
         trainer = train_tiny([plugin, Record], output_dir=output_dir, **values)
     batch, trained = seen[-1]
+    assert int(batch.turns().count.max()) > 1, "the scripted rollouts of the last batch had no second turn"
+    received = ~trained.isnan()
+    assert (received.any(dim=1) if trained.dim() == 2 else received).all(), "TRL's loss missed rows of the batch"
+    options = dict(plugin) if isinstance(plugin, dict) else {"name": plugin}
+    expected = run_plugin(options.pop("name"), batch, options).advantages
+    torch.testing.assert_close(trained[received], expected[received])
     return trainer, batch, trained
