@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -250,6 +251,17 @@ def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(times), 2) if times else None
 
 
+def code_version() -> str | None:
+    """The commit the run's code came from (``git describe --always --dirty``; None outside a git checkout), so
+    runs of one grid made by different versions of the host can be told apart."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path,
            base: dict[str, Any] | None = None) -> dict[str, Any]:
     """Store one finished run (``metrics``: what `train` returns, or its ``metrics.json``) as the grid's result.
@@ -266,7 +278,8 @@ def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any
               "median_step_seconds": median_step_seconds(steps),
               **({"feedback_before": base["feedback"], "feedback_after": feedback[-1]} if feedback else {}),
               "train_reward": [round(h.get("rewards/guess_reward/mean", float("nan")), 4) for h in steps],
-              "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]])}
+              "plugin_x_generation": plugin_cost(steps, [p["name"] for p in VARIANTS[label]]),
+              "code": code_version()}
     target = result_path(out, label, seed)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(result, indent=1) + "\n")
