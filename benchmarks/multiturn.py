@@ -252,14 +252,17 @@ def median_step_seconds(steps: list[dict[str, Any]]) -> float | None:
 
 
 def code_version() -> str | None:
-    """The commit the run's code came from (``git describe --always --dirty``; None outside a git checkout), so
-    runs of one grid made by different versions of the host can be told apart."""
+    """The commit the run's code came from (abbreviated hash; "-dirty" when the host, a plugin, an example or a
+    benchmark script differs from it: docs and results written by the grid itself do not count), so runs of one
+    grid made by different versions of the host can be told apart. None outside a git checkout."""
+    code = ["trl_credit", "plugins", "examples", "benchmarks/*.py"]
     try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        edited = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *code], cwd=ROOT, timeout=10).returncode
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None
+    return (head + ("-dirty" if edited else "")) if head else None
 
 
 def record(label: str, seed: int, config: dict[str, Any], metrics: dict[str, Any], out: Path,
