@@ -264,6 +264,8 @@ def test_jobs_run_side_by_side_and_report_only_reads_them_back(tmp_path):
         assert again["variants"][label]["final"] == report["variants"][label]["final"]
     assert again["seeds"] == [0, 1] and again["missing"] == [f"{label}/seed1" for label in labels]
     assert "**Partial:** 2 planned runs" in (out / "results.md").read_text()
+    walls = [json.loads((out / "runs" / label / "seed0.json").read_text())["wall_seconds"] for label in labels]
+    assert again["hours_left"] == pytest.approx(2 * sum(walls) / len(walls) / 3600)  # 2 missing runs at the mean
     # a command about another plugin still reports every finished run on disk (the published tables keep them)
     other = learning.main(["--quick", "--report-only", "--plugins", "balanced_aggregation", "--out", str(out),
                            "--docs", ""])  # fmt: skip
