@@ -31,6 +31,7 @@ reward columns.
     python benchmarks/learning.py --report-only             # tables and figures from the runs finished so far
     python benchmarks/learning.py --plugins gdpo,gtpo --seeds 0,1,2,3,4
     python benchmarks/learning.py --combo dynamic_sampling,gdpo   # plugins enabled together
+    python benchmarks/learning.py --best 3 --combo best:3   # after the grid: 5 seeds for the 3 best, and them together
     python benchmarks/learning.py --list                    # the plan and what does not apply
     python benchmarks/learning.py --quick --out /tmp/q      # tiny model, 2 steps, 1 seed (CI smoke run)
 
@@ -828,6 +829,51 @@ def evidence(summary: dict[str, Any], skipped: dict[str, str], installed: list[s
     return "\n".join(lines)
 
 
+GRID_SEEDS = (0, 1, 2)
+
+
+def rank(summary: dict[str, Any]) -> list[str]:
+    """The plugins of a summary best first, by paired Δ AUC over their baseline (the mean; ties: Δ final), among
+    those with every grid seed paired; combinations and the robustness fixtures (``LAST``) are not ranked.
+
+    The rule is fixed before the grid's results are read, and it picks plugins, never options: the three best get
+    5 seeds (``--best 3``) and the combination is the best ones together (``--combo best:3``), each preset as in the
+    grid, so nothing is tuned on the held-out prompts beyond the choice of plugins itself.
+    """
+    rows = [(label, row) for label, row in summary.items()
+            if row["baseline"] is not None and not label.startswith("combo:") and label not in LAST
+            and set(GRID_SEEDS) <= set(row.get("paired_seeds", []))]  # fmt: skip
+    rows.sort(key=lambda item: (-item[1]["delta_auc"]["mean"], -item[1]["delta_final"]["mean"], item[0]))
+    return [label for label, _ in rows]
+
+
+def ranked(settings: Settings, out: Path, work: Path) -> list[str]:
+    """`rank` over the finished 3-seed grid on disk; an error naming what is missing while the grid is partial."""
+    variants, _ = plan(settings, None, [], work, False)
+    done = {(v.label, seed): finished(settings, v, seed, out) for v in variants for seed in GRID_SEEDS}
+    missing = [f"{label}/seed{seed}" for (label, seed), result in done.items() if result is None]
+    if missing:
+        raise SystemExit(f"the best plugins are named from the complete 3-seed grid: {len(missing)} of {len(done)} "
+                         f"runs are missing ({', '.join(missing[:5])}, ...); run `python benchmarks/learning.py` "
+                         "until it reports no missing run, then --best / --combo best:N")
+    results: dict[str, list[dict]] = {}
+    for (label, _), result in done.items():
+        results.setdefault(label, []).append(result)
+    return rank(summarise(variants, results))
+
+
+def best_combo(settings: Settings, ranking: list[str], n: int, work: Path) -> list[str]:
+    """The ``n`` best plugins that ``trl-credit validate`` accepts together: the best ``n`` when they compose, else
+    the best ``n - 1``, down to two (a combination of one plugin is that plugin's own run)."""
+    folder = work / "validate"
+    folder.mkdir(parents=True, exist_ok=True)
+    for size in range(min(n, len(ranking)), 1, -1):
+        names = ranking[:size]
+        if _validate(settings, combo_variant(names), folder) is None:
+            return names
+    raise SystemExit(f"no two of the best plugins ({', '.join(ranking[:n])}) validate together")
+
+
 def goal(summary: dict[str, Any], label: str, results: dict[str, list[dict]] | None = None) -> dict[str, Any] | None:
     """The project's goal for a combination: its baseline's final accuracy (per seed) within 60% of the steps, at
     no more than 1.1x the baseline's time per step.
@@ -976,8 +1022,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "(default: benchmarks/results/learning, committed)")
     parser.add_argument("--work", default=None, help="train outputs: adapters, logs (default: runs/learning)")
     parser.add_argument("--plugins", default=None, help="comma-separated plugin names (default: every installed one)")
+    parser.add_argument("--best", type=int, default=0, metavar="N",
+                        help="the N plugins of the finished 3-seed grid with the highest paired Δ AUC (`rank`), and "
+                        "their baselines, at --seeds (default 5 here: the issue's 5 seeds for the three best)")
     parser.add_argument("--combo", action="append", default=[],
-                        help="comma-separated plugins to enable together (repeatable); without --plugins only the "
+                        help="comma-separated plugins to enable together (repeatable); best:N = the N best of the "
+                        "finished grid that validate together (`best_combo`); without --plugins only the "
                         "combinations and their baselines run")
     parser.add_argument("--seeds", default=None, help="N (seeds 0..N-1) or a comma list (default: 3; quick: 1)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default: 30; quick: 2)")
@@ -1011,15 +1061,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings.dataset = args.dataset or settings.dataset
     if args.extra:
         settings.extra = json.loads(args.extra)
-    seeds = parse_seeds(args.seeds or ("1" if args.quick else "3"))
-    combos = [[p.strip() for p in c.split(",") if p.strip()] for c in args.combo]
-    # --combo alone runs the combinations (and their baselines), not the whole grid beside them
-    selected = [p.strip() for p in args.plugins.split(",") if p.strip()] if args.plugins else ([] if combos else None)
+    chosen = bool(args.best) or any(c.startswith("best:") for c in args.combo)
+    seeds = parse_seeds(args.seeds or ("1" if args.quick else "5" if chosen else "3"))
     if args.quick and args.out is None:
         raise SystemExit("--quick needs --out (its runs are not the benchmark's)")
     out = Path(args.out or HERE / "results" / "learning")
     work = Path(args.work or (out / "work" if args.quick else ROOT / "runs" / "learning"))
     out.mkdir(parents=True, exist_ok=True)
+    ranking = ranked(settings, out, work) if chosen else []
+    if chosen:
+        _log(f"the finished grid's plugins by paired Δ AUC: {', '.join(ranking)}")
+    combos = [best_combo(settings, ranking, int(c.removeprefix("best:")), work) if c.startswith("best:")
+              else [p.strip() for p in c.split(",") if p.strip()] for c in args.combo]  # fmt: skip
+    # --combo alone runs the combinations (and their baselines), not the whole grid beside them
+    selected = [p.strip() for p in args.plugins.split(",") if p.strip()] if args.plugins else ([] if combos else None)
+    if args.best:
+        selected = [*(selected or []), *ranking[:args.best]]
 
     log = _log
     started = time.time()

@@ -324,3 +324,37 @@ def test_the_which_plugin_evidence_table_reads_the_intervals():
     assert "**better**" in rows["`gdpo`"] and "+0.120 ± 0.050" in rows["`gdpo`"] and "12 (2/3)" in rows["`gdpo`"]
     assert "no difference shown" in rows["`gtpo`"] and "not reached (0/3)" in rows["`gtpo`"]
     assert "needs an entities column" in rows["`e_grpo`"] and "not run yet" in rows["`rpr`"]
+
+
+def test_the_best_are_ranked_by_paired_auc_and_only_from_the_complete_grid(tmp_path, monkeypatch):
+    """`rank`: paired Δ AUC over every grid seed (ties by Δ final); fixtures, combinations and partly paired plugins
+    are not ranked. `ranked` refuses a partial grid; `best_combo` falls back to fewer plugins that validate."""
+    learning = _load("learning")
+    curve = lambda a: [[0, 0.4], [15, a], [30, a]]  # noqa: E731 - AUC = (0.4 + a) / 4 + a / 2
+    grpo = [_run(s, curve(0.6), [100.0] * 30) for s in range(3)]
+    runs = {"grpo": grpo, "a": [_run(s, curve(0.7), [100.0] * 30) for s in range(3)],
+            "b": [_run(s, curve(0.8), [100.0] * 30) for s in range(3)],
+            "c": [_run(s, curve(0.9), [100.0] * 30) for s in range(2)],  # seed 2 missing: not ranked
+            "reward_noise": [_run(s, curve(0.95), [100.0] * 30) for s in range(3)]}
+    variants = [learning.Variant("grpo", [], [learning.ACC]),
+                *(learning.Variant(n, [{"name": n}], [learning.ACC]) for n in ("a", "b", "c", "reward_noise"))]
+    summary = learning.summarise(variants, runs)
+    assert summary["b"]["delta_auc"]["mean"] == pytest.approx(0.75 * 0.2)
+    assert learning.rank(summary) == ["b", "a"]
+
+    monkeypatch.setattr(learning, "plan", lambda *a: (variants[:3], {}))
+    settings = learning.Settings()
+    with pytest.raises(SystemExit, match="9 runs are missing"):
+        learning.ranked(settings, tmp_path, tmp_path / "work")
+    for variant in variants[:3]:
+        for run in runs[variant.label]:
+            path = learning.result_path(tmp_path, variant.label, run["seed"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**run, "fingerprint": learning.fingerprint(settings, variant, run["seed"])}))
+    assert learning.ranked(settings, tmp_path, tmp_path / "work") == ["b", "a"]
+
+    monkeypatch.setattr(learning, "_validate", lambda s, v, f: "conflict" if len(v.plugins) == 3 else None)
+    assert learning.best_combo(settings, ["b", "a", "d"], 3, tmp_path) == ["b", "a"]
+    monkeypatch.setattr(learning, "_validate", lambda s, v, f: "conflict")
+    with pytest.raises(SystemExit, match="validate together"):
+        learning.best_combo(settings, ["b", "a", "d"], 3, tmp_path)
