@@ -812,21 +812,42 @@ def evidence(summary: dict[str, Any], skipped: dict[str, str], installed: list[s
             why = skipped.get(name, "not run yet (the grid is resumable)")
             lines.append(f"| `{name}` | 0 | — | — | — | — | {why} |")
             continue
-        delta = row["delta_final"]
-        ci = delta.get("ci95")
-        if ci is None:
-            verdict = "one seed: no interval" if delta["n"] == 1 else f"no spread over {delta['n']} seeds: no interval"
-        elif delta["mean"] - ci > 0:
-            verdict = "**better** than its baseline here"
-        elif delta["mean"] + ci < 0:
-            verdict = "**worse** than its baseline here"
-        else:
-            verdict = "no difference shown (the interval contains 0)"
-        lines.append(f"| `{name}` (vs {row['baseline']}) | {len(row['paired_seeds'])} | {_ci(delta)} | "
+        verdict = _verdict(row)
+        lines.append(f"| `{name}` (vs {row['baseline']}) | {len(row['paired_seeds'])} | {_ci(row['delta_final'])} | "
                      f"{_ci(row.get('delta_auc'))} | {_reach(row.get('steps_to_target'))} vs "
                      f"{_reach(row.get('baseline_steps_to_target'))} | "
                      f"{_f(row.get('time_ratio', {}).get('mean'), 2)} | {verdict} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _sign(s: dict[str, Any] | None) -> int | None:
+    """+1 / -1 when the 95% interval of a paired difference excludes 0, 0 when it contains 0, None without one."""
+    if not s or not s.get("n") or s.get("ci95") is None:
+        return None
+    return 1 if s["mean"] - s["ci95"] > 0 else -1 if s["mean"] + s["ci95"] < 0 else 0
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    """What the intervals say, at equal steps (final accuracy and the curve's AUC) and, for a plugin that generates
+    more per step (filters with refill), at the baseline's token budget: a gain bought with tokens is named so."""
+    final, auc = _sign(row.get("delta_final")), _sign(row.get("delta_auc"))
+    if final is None:
+        n = row.get("delta_final", {}).get("n", 0)
+        return "one seed: no interval" if n == 1 else f"no spread over {n} seeds: no interval"
+    said = [f"{'higher' if sign > 0 else 'lower'} {what}" for sign, what in
+            ((final, "final accuracy"), (auc, "curve (AUC)")) if sign]  # fmt: skip
+    if not said:
+        text = "no difference shown at equal steps (the intervals contain 0)"
+    else:
+        word = "**better**" if all(x >= 0 for x in (final, auc or 0)) else "**worse**" if all(
+            x <= 0 for x in (final, auc or 0)) else "mixed"  # fmt: skip
+        text = f"{word} at equal steps: {' and '.join(said)}"
+    ratio = row.get("token_ratio", {}).get("mean")
+    tokens = _sign(row.get("delta_at_baseline_tokens"))
+    if ratio is not None and ratio > 1.1 and tokens is not None:
+        at = {1: "higher", -1: "lower", 0: "no difference shown"}[tokens]
+        text += f"; at the baseline's generated tokens ({ratio:.1f}x its tokens per step): {at}"
+    return text
 
 
 GRID_SEEDS = (0, 1, 2)

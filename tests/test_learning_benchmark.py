@@ -318,11 +318,26 @@ def test_the_which_plugin_evidence_table_reads_the_intervals():
                  "time_ratio": learning.stats([1.0, 1.1, 1.2])},
         "gtpo": {"paired_seeds": [0, 1, 2], "baseline": "grpo@loss_type=grpo", "delta_final": learning.stats([-0.1, 0.1, 0.0]),
                  "delta_auc": learning.stats([0.0]), "steps_to_target": [None] * 3, "time_ratio": learning.stats([1.0])},
+        # a filter with refill: better at equal steps, but not at the baseline's token budget
+        "accuracy_band": {"paired_seeds": [0, 1, 2], "baseline": "grpo", "delta_final": learning.stats([0.06, 0.07, 0.09]),
+                          "delta_auc": learning.stats([0.04, 0.05, 0.07]), "token_ratio": learning.stats([2.7, 2.8, 2.9]),
+                          "delta_at_baseline_tokens": learning.stats([-0.2, 0.0, 0.1]), "steps_to_target": [10] * 3},
+        # final accuracy not distinguishable, the curve lower: worse on what the intervals separate
+        "prime": {"paired_seeds": [0, 1, 2], "baseline": "grpo", "delta_final": learning.stats([-0.03, -0.11, 0.06]),
+                  "delta_auc": learning.stats([-0.07, -0.11, -0.05]), "token_ratio": learning.stats([1.0, 1.1, 1.1])},
+        "mrt": {"paired_seeds": [0, 1, 2], "baseline": "grpo", "delta_final": learning.stats([0.1, 0.12, 0.14]),
+                "delta_auc": learning.stats([-0.1, -0.12, -0.14])},
     }  # fmt: skip
-    table = learning.evidence(summary, {"e_grpo": "needs an entities column"}, ["e_grpo", "gdpo", "gtpo", "rpr"])
+    installed = ["accuracy_band", "e_grpo", "gdpo", "gtpo", "mrt", "prime", "rpr"]
+    table = learning.evidence(summary, {"e_grpo": "needs an entities column"}, installed)
     rows = {line.split("|")[1].strip().split()[0]: line for line in table.splitlines()[2:]}
-    assert "**better**" in rows["`gdpo`"] and "+0.120 ± 0.050" in rows["`gdpo`"] and "12 (2/3)" in rows["`gdpo`"]
-    assert "no difference shown" in rows["`gtpo`"] and "not reached (0/3)" in rows["`gtpo`"]
+    assert "**better** at equal steps: higher final accuracy |" in rows["`gdpo`"]
+    assert "+0.120 ± 0.050" in rows["`gdpo`"] and "12 (2/3)" in rows["`gdpo`"]
+    assert "no difference shown at equal steps" in rows["`gtpo`"] and "not reached (0/3)" in rows["`gtpo`"]
+    assert ("**better** at equal steps: higher final accuracy and higher curve (AUC); at the baseline's generated "
+            "tokens (2.8x its tokens per step): no difference shown") in rows["`accuracy_band`"]
+    assert "**worse** at equal steps: lower curve (AUC) |" in rows["`prime`"]  # 1.07x tokens: no token clause
+    assert "mixed at equal steps: higher final accuracy and lower curve (AUC)" in rows["`mrt`"]
     assert "needs an entities column" in rows["`e_grpo`"] and "not run yet" in rows["`rpr`"]
 
 
