@@ -69,8 +69,11 @@ EVIDENCE = ("<!-- which-plugin-evidence:begin -->", "<!-- which-plugin-evidence:
 QUICK_PREFERENCE = ("dynamic_sampling", "balanced_aggregation", "gtpo", "gdpo", "riskpo", "drpo", "corrgrpo")
 # the grid's order after the baselines: the sparse-reward filters and multi-reward estimators first, so a partial
 # grid (it takes several sessions on 2 cores) answers the commonest questions; then alphabetical; fixtures last
+#: the grid's order: filters and the first estimators, then the dense-credit methods (the heart of the seed papers),
+#: then the rest alphabetically
 PRIORITY = ("dynamic_sampling", "accuracy_band", "prime", "gdpo", "half_pass_selection", "balanced_aggregation", "p_grpo",
-            "prm_clip_delta", "gtpo", "drpo")
+            "prm_clip_delta", "gtpo", "drpo", "igpo", "trace", "spae", "siop", "logprob_reward", "g_ra", "trust_grpo",
+            "corrgrpo", "empg", "mrt", "endogenous_reward")
 INFORMATIVE = "informative_groups"  # 1 - TRL's frac_reward_zero_std: groups whose rewards differ
 LAST = ("reward_noise",)  # robustness fixtures: run after the methods
 #: turn-credit plugins: on a single-turn task they are GRPO or refuse; benchmarks/multiturn.py runs them
