@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -305,9 +306,16 @@ def test_gpu_learning_cpu_smoke(tmp_path):
     assert all(len(r["curve"]) == 3 and r["wall_seconds"] > 0 for r in on_disk["runs"])
     saved = (tmp_path / "o" / "work" / "runs" / "grpo" / "seed0.yaml").read_text()
     assert "load_in_4bit: true" in saved and "use_bnb_nested_quant: true" in saved
+    assert report["jobs"] == 1 and report["finished_runs"] == report["planned_runs"] == 2
+    assert report["exit_code"] == 0 and not report["stopped_at_budget"]
     grid = report["full_grid"]
-    assert grid["runs"] > len(labels) and grid["hours_one_at_a_time"] == pytest.approx(
+    assert grid["runs"] > len(labels) and grid["hours"] == pytest.approx(
         round(grid["runs"] * grid["seconds_per_run"] / 3600, 2))
+    # the budget stops the runs (the child and its workers) and what finished is still reported
+    stopped = _load("gpu_learning").main(["--cpu-smoke", "--plugins", "dynamic_sampling", "--budget", "0.5",
+                                          "--out", str(tmp_path / "stopped")])  # fmt: skip
+    assert stopped["stopped_at_budget"] and stopped["finished_runs"] == 0 and stopped["seconds"] < 30
+    assert stopped["full_grid"]["hours"] is None
 
 
 def test_the_which_plugin_evidence_table_reads_the_intervals():
@@ -373,3 +381,43 @@ def test_the_best_are_ranked_by_paired_auc_and_only_from_the_complete_grid(tmp_p
     monkeypatch.setattr(learning, "_validate", lambda s, v, f: "conflict")
     with pytest.raises(SystemExit, match="validate together"):
         learning.best_combo(settings, ["b", "a", "d"], 3, tmp_path)
+
+
+def test_gpu_session_carries_the_wheels_in_parts_and_installs_only_a_complete_bundle(tmp_path):
+    """benchmarks/gpu_session.sh: `prepare` splits the wheels into parts (one per device call), `stash` keeps each
+    call's part, and `install` refuses an incomplete bundle, then installs a complete one (checksums checked)."""
+    import shutil
+    import subprocess
+
+    script = BENCHMARKS / "gpu_session.sh"
+    plugin = next((BENCHMARKS.parent / "plugins").glob("trl-credit-gdpo"), None)
+    if plugin is None:
+        pytest.skip("the gdpo plugin's source is not here")
+    env = {**os.environ, "PYTHON": sys.executable, "PY3": sys.executable, "DOWNLOAD": "0",
+           "SOURCES": str(plugin), "PART": "4K", "CARRY": str(tmp_path / "carry"), "TRLC_TMP": str(tmp_path / "m")}
+
+    def call(verb: str, carry: Path | None = None) -> subprocess.CompletedProcess:
+        extra = {"CARRY": str(carry)} if carry else {}
+        return subprocess.run(["bash", str(script), verb], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    done = call("prepare")
+    assert done.returncode == 0, done.stderr
+    parts = sorted((tmp_path / "carry").glob("part*"), key=lambda p: int(p.name[4:]))
+    assert len(parts) >= 2 and f"1 wheels in {len(parts)} parts of at most 4K" in done.stdout
+    assert done.stdout.count("gpu_session.sh stash") == len(parts) - 1 and "gpu_session.sh run" in done.stdout
+    assert all(f.stat().st_size <= 4096 for p in parts for f in p.glob("bundle.tar.part*"))
+    # each device call carries one part: call k's working tree holds part k only
+    calls = []
+    for part in parts:
+        tree = tmp_path / f"call-{part.name}"
+        shutil.copytree(part, tree / part.name)
+        calls.append(tree)
+    refused = call("install", calls[-1])  # the last part alone
+    assert refused.returncode == 3 and "bundle incomplete" in refused.stderr
+    for tree in calls[:-1]:
+        assert call("stash", tree).returncode == 0
+    installed = call("install", calls[-1])
+    assert installed.returncode == 0, installed.stderr
+    site = tmp_path / "m" / "site"
+    assert list(site.glob("trl_credit_gdpo-*.dist-info")) and (site / "trl_credit_gdpo").is_dir()
