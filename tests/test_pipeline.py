@@ -144,6 +144,23 @@ def test_prompt_stats_track_pass_rates_and_ignore_nan():
     assert stats.last_step.tolist() == [4, 4, -1]
 
 
+def test_prompt_stats_latest_counts_keep_only_the_step_a_prompt_was_last_scored_in():
+    stats = PromptStats.empty(3)
+    stats.update(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 0.0, 0.0]), step=1)
+    stats.update(torch.tensor([0, 0]), torch.tensor([1.0, 1.0]), step=2)           # prompt 0 learned
+    stats.update(torch.tensor([0, 2]), torch.tensor([1.0, 0.0]), step=2)           # a refill round of step 2
+    assert stats.seen.tolist() == [5, 2, 1] and stats.passed.tolist() == [4, 0, 0]
+    assert stats.latest_seen.tolist() == [3, 2, 1] and stats.latest_passed.tolist() == [3, 0, 0]
+    assert stats.pass_rate(latest=True)[0] == 1.0 and stats.pass_rate()[0] == 0.8
+    torch.testing.assert_close(stats.posterior_mean(latest=True), torch.tensor([0.8, 0.25, 1 / 3], dtype=torch.float64))
+    restored = PromptStats.empty(3)
+    restored.load_state_dict(stats.state_dict())
+    assert restored.latest_seen.tolist() == [3, 2, 1] and restored.latest_passed.tolist() == [3, 0, 0]
+    old = {k: v for k, v in stats.state_dict().items() if not k.startswith("latest_")}  # a 0.2.2 checkpoint
+    restored.load_state_dict(old)
+    assert restored.latest_seen.tolist() == [5, 2, 1] and restored.latest_passed.tolist() == [4, 0, 0]
+
+
 def test_select_keeps_scores_aligned():
     logps = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     batch = make_batch([1, 0, 1, 1], num_generations=2, logps=logps, lengths=[3, 3, 3, 3])

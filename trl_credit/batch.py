@@ -635,8 +635,12 @@ class PromptStats:
     """Host-tracked statistics per training prompt (dataset row), updated from every scored batch.
 
     A completion *passes* when its total reward is ``>= pass_threshold`` (host default 0.5).
-    ``prompts_per_batch`` is how many distinct prompts the host draws for one generation batch (0
-    when unknown); a curriculum that gives exactly that many prompts a positive weight selects them.
+    ``seen``/``passed`` count every rollout since the start; ``latest_seen``/``latest_passed`` count
+    only those of the step a prompt was last scored in (``last_step``; refill rounds of one step add
+    up), which is what the current policy does on it: a prompt the policy has since learned shows as
+    all-pass there while its whole history still looks mixed. ``prompts_per_batch`` is how many
+    distinct prompts the host draws for one generation batch (0 when unknown); a curriculum that gives
+    exactly that many prompts a positive weight selects them.
     """
 
     seen: torch.Tensor
@@ -645,6 +649,12 @@ class PromptStats:
     last_step: torch.Tensor
     pass_threshold: float = 0.5
     prompts_per_batch: int = 0
+    latest_seen: torch.Tensor | None = None    # None: the whole history (all that is known)
+    latest_passed: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.latest_seen is None or self.latest_passed is None:
+            self.latest_seen, self.latest_passed = self.seen.clone(), self.passed.clone()
 
     @classmethod
     def empty(cls, num_prompts: int, pass_threshold: float = 0.5) -> PromptStats:
@@ -655,14 +665,21 @@ class PromptStats:
     def num_prompts(self) -> int:
         return self.seen.shape[0]
 
-    def pass_rate(self) -> torch.Tensor:
-        """``(P,)`` empirical pass rate, NaN for prompts never seen."""
-        return self.passed / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))
+    def _counts(self, latest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.latest_seen, self.latest_passed) if latest else (self.seen, self.passed)
 
-    def posterior_mean(self, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    def pass_rate(self, latest: bool = False) -> torch.Tensor:
+        """``(P,)`` empirical pass rate (``latest``: in the step each prompt was last scored), NaN for
+        prompts never seen."""
+        seen, passed = self._counts(latest)
+        return passed / seen.where(seen > 0, torch.tensor(math.nan, dtype=seen.dtype))
+
+    def posterior_mean(self, alpha: float = 1.0, beta: float = 1.0, latest: bool = False) -> torch.Tensor:
         """``(P,)`` mean of the Beta(alpha + passed, beta + seen - passed) posterior of each prompt's
-        pass rate (a Beta(alpha, beta) prior; unseen prompts get the prior mean)."""
-        return (self.passed + alpha) / (self.seen + alpha + beta)
+        pass rate (a Beta(alpha, beta) prior; unseen prompts get the prior mean; ``latest``: the counts
+        of the step each prompt was last scored in)."""
+        seen, passed = self._counts(latest)
+        return (passed + alpha) / (seen + alpha + beta)
 
     def mean_reward(self) -> torch.Tensor:
         return self.reward_sum / self.seen.where(self.seen > 0, torch.tensor(math.nan, dtype=self.seen.dtype))
@@ -673,9 +690,15 @@ class PromptStats:
         reward = total_reward.detach().cpu().to(torch.float64)
         ok = (idx >= 0) & ~torch.isnan(reward)
         idx, reward = idx[ok], reward[ok]
-        self.seen.index_add_(0, idx, torch.ones_like(reward))
-        self.passed.index_add_(0, idx, (reward >= self.pass_threshold).to(torch.float64))
+        ones, passes = torch.ones_like(reward), (reward >= self.pass_threshold).to(torch.float64)
+        self.seen.index_add_(0, idx, ones)
+        self.passed.index_add_(0, idx, passes)
         self.reward_sum.index_add_(0, idx, reward)
+        stale = idx[self.last_step[idx] != step]                       # last scored in an earlier step
+        self.latest_seen[stale] = 0.0
+        self.latest_passed[stale] = 0.0
+        self.latest_seen.index_add_(0, idx, ones)
+        self.latest_passed.index_add_(0, idx, passes)
         self.last_step[idx] = step
 
     def state_dict(self) -> dict[str, Any]:
@@ -684,10 +707,15 @@ class PromptStats:
             "passed": self.passed,
             "reward_sum": self.reward_sum,
             "last_step": self.last_step,
+            "latest_seen": self.latest_seen,
+            "latest_passed": self.latest_passed,
             "pass_threshold": self.pass_threshold,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seen", "passed", "reward_sum", "last_step"):
             getattr(self, key).copy_(state[key])
+        # a checkpoint from before 0.2.3 has no latest counts: the whole history stands in for them
+        self.latest_seen.copy_(state.get("latest_seen", state["seen"]))
+        self.latest_passed.copy_(state.get("latest_passed", state["passed"]))
         self.pass_threshold = state["pass_threshold"]

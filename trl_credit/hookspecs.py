@@ -177,8 +177,9 @@ def prompt_weights(stats: PromptStats, step: int) -> torch.Tensor | None:
     """Give every training prompt a sampling weight (prompt curriculum).  Multiplied together.
 
     :param stats: host-tracked per-prompt statistics over past rollouts, indexed by dataset row:
-        ``stats.seen`` and ``stats.passed`` (float ``(P,)`` counts), ``stats.reward_sum`` and
-        ``stats.pass_rate()`` (NaN where never seen), ``stats.last_step``.
+        ``stats.seen`` and ``stats.passed`` (float ``(P,)`` counts), ``stats.latest_seen`` and
+        ``stats.latest_passed`` (the same over the step each prompt was last scored in),
+        ``stats.reward_sum`` and ``stats.pass_rate(latest=False)`` (NaN where never seen), ``stats.last_step``.
     :param step: the optimiser step about to be sampled for.
     :return: non-negative finite ``(P,)`` weights (not necessarily normalised), or ``None``.
         The host multiplies the weights of all curriculum plugins, normalises them and samples

@@ -13,10 +13,14 @@ from trl_credit import ConfigError, PromptStats
 from trl_credit.testing import check_args, check_plugin, plugin_set, run_curriculum, tiny_dataset, train_tiny
 
 
-def stats_for(seen, passed, prompts_per_batch=0, last_step=None):
+def stats_for(seen, passed, prompts_per_batch=0, last_step=None, latest=None):
+    """Statistics with these counts; ``latest``: (seen, passed) of each prompt's last step (default: the same)."""
     s = PromptStats.empty(len(seen))
     s.seen.copy_(torch.tensor(seen, dtype=torch.float64))
     s.passed.copy_(torch.tensor(passed, dtype=torch.float64))
+    latest_seen, latest_passed = latest or (seen, passed)
+    s.latest_seen.copy_(torch.tensor(latest_seen, dtype=torch.float64))
+    s.latest_passed.copy_(torch.tensor(latest_passed, dtype=torch.float64))
     s.last_step.copy_(torch.tensor(last_step if last_step is not None else [0 if n else -1 for n in seen]))
     s.prompts_per_batch = prompts_per_batch
     return s
@@ -57,6 +61,17 @@ def test_predicted_pass_rate_is_the_beta_posterior_mean():
     plugin = HalfPassSelection(HalfPassSelection.Config(prior_alpha=2.0, prior_beta=6.0))
     torch.testing.assert_close(plugin.predicted_pass_rate(s),
                                torch.tensor([2 / 16, 10 / 26, 0.25], dtype=torch.float64))
+
+
+def test_history_latest_drops_a_prompt_the_policy_has_learned():
+    # row 0: 3/8 at first, 8/8 when last scored (11 of 16 in all); row 1: mixed now (4/8); 2, 3 unseen
+    s = stats_for([16, 8, 0, 0], [11, 4, 0, 0], prompts_per_batch=2, latest=([8, 8, 0, 0], [8, 4, 0, 0]))
+    torch.testing.assert_close(HalfPassSelection().predicted_pass_rate(s),
+                               torch.tensor([0.9, 0.5, 0.5, 0.5], dtype=torch.float64))
+    # latest: row 0 is all-pass (tier 2), so row 1 and a new prompt fill the batch
+    assert weights(s).tolist() == [0, 1, FILL_MASS / 2, FILL_MASS / 2]
+    # all: 11/16 is still mixed (p_hat 12/18), so row 0 is drawn again beside row 1
+    assert weights(s, {"history": "all"}).tolist() == [1, 1, 0, 0]
 
 
 # ------------------------------------------------------------------------- top-k weights
@@ -153,7 +168,8 @@ def test_soft_exploration_share():
 @pytest.mark.parametrize("options, key", [({"prior_alpha": 0}, "prior_alpha"), ({"mode": "greedy"}, "mode"),
                                           ({"explore_share": 1.5}, "explore_share"),
                                           ({"temperature": 0}, "temperature"), ({"above_weight": 0}, "above_weight"),
-                                          ({"exploit": "some"}, "exploit"), ({"k": 3}, "k")])
+                                          ({"exploit": "some"}, "exploit"), ({"history": "recent"}, "history"),
+                                          ({"k": 3}, "k")])
 def test_bad_options(options, key):
     with pytest.raises(ConfigError, match=key):
         plugin_set(HalfPassSelection, options)

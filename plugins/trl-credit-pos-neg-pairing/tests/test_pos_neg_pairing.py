@@ -26,8 +26,18 @@ def stats_for(rates, prompts_per_batch=2, seen=10, last_step=None):
             s.seen[i], s.passed[i], s.last_step[i] = seen, round(p * seen), 0
     if last_step is not None:
         s.last_step.copy_(torch.tensor(last_step))
+    s.latest_seen.copy_(s.seen)                                    # the last step's counts: the same
+    s.latest_passed.copy_(s.passed)
     s.prompts_per_batch = prompts_per_batch
     return s
+
+
+def test_history_latest_drops_a_prompt_the_policy_has_solved():
+    # row 0: 3 of 30 at first, 10 of 10 when last scored (13/40 = 0.325 in all); rows 1, 2 eligible; 3 unseen
+    s = stats_for([0.2, 0.4, 0.9, None])
+    s.seen[0], s.passed[0], s.latest_seen[0], s.latest_passed[0] = 40, 13, 10, 10
+    assert weights(s).tolist() == [0, 1, 1, 0]                     # q+ = 0.4 (row 0 is solved now), q- = 0.9
+    assert weights(s, {"history": "all"}).tolist() == [1, 0, 1, 0]  # all: 0.325 is the hardest solvable one
 
 
 def weights(stats, config=None):
@@ -128,6 +138,7 @@ def test_host_sampler_draws_the_pair_and_fills_from_unseen():
 @pytest.mark.parametrize("options, key", [({"positive_below": 1.5}, "positive_below"),
                                           ({"negative_above": -0.1}, "negative_above"),
                                           ({"explore_share": 2}, "explore_share"),
+                                          ({"history": "recent"}, "history"),
                                           ({"weighted_grpo": True}, "weighted_grpo")])
 def test_bad_options(options, key):
     with pytest.raises(ConfigError, match=key):

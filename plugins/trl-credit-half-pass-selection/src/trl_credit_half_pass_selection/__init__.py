@@ -7,18 +7,24 @@ predicted to fail more often than not. A prompt solved half of the time gives a 
 update the most signal (the variance p(1 - p) of a 0/1 reward peaks at p = 1/2).
 
 Predictor (ours: the abstract does not say how success is predicted). A prompt's pass rate is
-predicted by the mean of its Beta posterior over the host-tracked past rollouts (``passed_q`` of
+predicted by the mean of its Beta posterior over the host-tracked rollouts (``passed_q`` of
 ``seen_q`` completions had total reward >= the host's pass threshold); a prompt never seen gets the
 prior mean::
 
     p_hat_q = (passed_q + alpha) / (seen_q + alpha + beta)          (prior Beta(alpha, beta))
+
+With ``history: latest`` (default) the counts are those of the step the prompt was last scored in
+(``PromptStats.latest_*``: what the current policy does on it); with ``history: all`` every rollout
+since the start counts, so a prompt once seen both passing and failing stays "mixed" after the
+policy has learned it (in the learning benchmark such prompts were re-drawn until memorised).
 
 Ranking. Prompts are ranked by the key, compared left to right, smaller first::
 
     ( tier_q ,  |p_hat_q - target| ,  1[p_hat_q > target] ,  last_step_q ,  q )
 
 With ``exploit: mixed`` (default) ``tier`` is 0 for a prompt that has both passed and failed
-(``0 < passed < seen``: evidence that its pass rate lies strictly between 0 and 1), 1 for an unseen
+(``0 < passed < seen`` in the counts ``history`` picks: evidence that its pass rate lies strictly
+between 0 and 1), 1 for an unseen
 prompt and 2 for a prompt seen only passing or only failing; with ``exploit: all`` it is 0 for every
 prompt, so unseen prompts compete with their prior mean. Then nearest to ``target = 1/2`` first;
 among equally near prompts the one predicted to fail more often than not first (``prefer_below``;
@@ -130,6 +136,12 @@ class HalfPassSelection(Plugin):
             "prompts seen only passing or only failing; all: every prompt ranked by p_hat alone (unseen at "
             "the prior mean alpha / (alpha + beta))",
         )
+        history: Literal["latest", "all"] = Field(
+            "latest",
+            description="which rollouts of a prompt predict its pass rate and its tier: latest = those of the "
+            "step it was last scored in (a prompt the policy has learned drops out), all = every rollout since "
+            "the start (a prompt once mixed stays mixed and is re-drawn)",
+        )
         target: float = Field(
             0.5, ge=0.0, le=1.0,
             description="predicted pass rate to aim at (paper: 1/2)",
@@ -163,7 +175,8 @@ class HalfPassSelection(Plugin):
         """``(P,)`` float64 Beta posterior mean of each prompt's pass rate (the prior mean if unseen)."""
         import torch
 
-        return stats.posterior_mean(self.config.prior_alpha, self.config.prior_beta).to(torch.float64)
+        c = self.config
+        return stats.posterior_mean(c.prior_alpha, c.prior_beta, latest=c.history == "latest").to(torch.float64)
 
     @hookimpl
     def prompt_weights(self, stats: PromptStats, step: int) -> torch.Tensor:
@@ -179,7 +192,9 @@ class HalfPassSelection(Plugin):
         n_explore = min(math.floor(c.explore_share * k + 1e-9), unseen_count)
         distance, above = _keys(p_hat, c.target, c.prefer_below)
         if c.exploit == "mixed":
-            mixed = (stats.passed > 0) & (stats.passed < stats.seen)
+            seen_n, passed_n = ((stats.latest_seen, stats.latest_passed) if c.history == "latest"
+                                else (stats.seen, stats.passed))
+            mixed = (passed_n > 0) & (passed_n < seen_n)
             tier = torch.where(mixed, 0, torch.where(seen, 2, 1))
         else:
             tier = torch.zeros_like(distance)

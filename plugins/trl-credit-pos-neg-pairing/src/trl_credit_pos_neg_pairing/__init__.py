@@ -10,8 +10,11 @@ advantages a rare success on ``q+`` then becomes a strong positive signal and a 
 ``q-`` a strong negative one. Prompts with success rate 0 or 1 give a group no signal and are never
 chosen.
 
-Rule (empirical pass rates from the host-tracked past rollouts, ``p_hat_q = passed_q / seen_q``,
-a completion passing when its total reward is >= the host's pass threshold)::
+Rule (empirical pass rates from the host-tracked rollouts, ``p_hat_q = passed_q / seen_q``, a
+completion passing when its total reward is >= the host's pass threshold; with ``history: latest``,
+the default, only the rollouts of the step the prompt was last scored in count, the paper's "success
+rate under multiple rollouts" of the current policy, so a prompt the policy has since solved every
+time leaves ``E``; ``history: all`` counts every rollout since the start)::
 
     eligible  E = { q : seen_q > 0 and 0 < p_hat_q < 1 }
     q+ : the lowest p_hat in E with p_hat < positive_below      (hard but solvable)
@@ -48,7 +51,7 @@ of odd ``k`` are ours and exposed as options where they are choices.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -114,6 +117,12 @@ class PosNegPairing(Plugin):
             description="a q- (easy-but-brittle) prompt has empirical pass rate > negative_above "
             "(not established; the paper says 'high but not perfect')",
         )
+        history: Literal["latest", "all"] = Field(
+            "latest",
+            description="which rollouts of a prompt give its pass rate: latest = those of the step it was "
+            "last scored in (a prompt the policy has since solved every time is no longer eligible), all = "
+            "every rollout since the start (a prompt once eligible stays eligible and is re-drawn)",
+        )
         explore_share: float = Field(
             0.0, ge=0.0, le=1.0,
             description="share of each generation batch (floor(share * k) slots) kept for never-seen "
@@ -126,7 +135,7 @@ class PosNegPairing(Plugin):
         import torch
 
         c = self.config
-        p_hat = stats.pass_rate().to(torch.float64)                   # NaN where never seen
+        p_hat = stats.pass_rate(latest=c.history == "latest").to(torch.float64)  # NaN where never seen
         unseen = stats.seen <= 0
         unseen_count = int(unseen.sum())
         k = max(int(stats.prompts_per_batch), 2)                      # 0 = unknown: one pair
