@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
     seconds = round(time.time() - clock, 1)
+    if child.returncode != 0 and any((out / "runs").glob("*/seed*.json")):  # stopped: the table of what finished
+        learning.main(["--report-only", *common, "--plugins", args.plugins, "--seeds", args.seeds])
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/seed*.json"))]
     wall = [r["wall_seconds"] for r in runs]
     grid = learning.main(["--list", *common])  # every installed plugin that applies, as the CPU grid plans it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -316,6 +317,13 @@ def test_gpu_learning_cpu_smoke(tmp_path):
                                           "--out", str(tmp_path / "stopped")])  # fmt: skip
     assert stopped["stopped_at_budget"] and stopped["finished_runs"] == 0 and stopped["seconds"] < 30
     assert stopped["full_grid"]["hours"] is None
+    # stopped with one run finished (GRPO's, kept from the first call): the table of what finished is still made
+    (tmp_path / "partial" / "runs").mkdir(parents=True)
+    shutil.copytree(tmp_path / "o" / "runs" / "grpo", tmp_path / "partial" / "runs" / "grpo")
+    partial = _load("gpu_learning").main(["--cpu-smoke", "--plugins", "dynamic_sampling", "--budget", "3",
+                                          "--out", str(tmp_path / "partial")])  # fmt: skip
+    assert partial["stopped_at_budget"] and partial["finished_runs"] == 1 and partial["runs"][0]["label"] == "grpo"
+    assert "| grpo |" in partial["table"] and "dynamic_sampling/seed0" in partial["table"]
 
 
 def test_the_which_plugin_evidence_table_reads_the_intervals():
@@ -386,7 +394,6 @@ def test_the_best_are_ranked_by_paired_auc_and_only_from_the_complete_grid(tmp_p
 def test_gpu_session_carries_the_wheels_in_parts_and_installs_only_a_complete_bundle(tmp_path):
     """benchmarks/gpu_session.sh: `prepare` splits the wheels into parts (one per device call), `stash` keeps each
     call's part, and `install` refuses an incomplete bundle, then installs a complete one (checksums checked)."""
-    import shutil
     import subprocess
 
     script = BENCHMARKS / "gpu_session.sh"
