@@ -88,8 +88,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                          "note": "refill on (mode replace, as in DAPO): more tokens per step"},
     "accuracy_band": {"mechanism": "trl_credit/kept_fraction", "note": "refill on (as in PRIME): more tokens per step"},
     "half_pass_selection": {"options": {"history": "latest"}, "mechanism": INFORMATIVE,
-                            "note": "a prompt curriculum; history latest (0.2.3's default: under `all`, the rule "
-                            "before, re-drawn prompts were memorised, final 0.60 vs GRPO's 0.74)"},
+                            "note": "a prompt curriculum (under history=all, the rule before 0.2.3, the re-drawn "
+                            "prompts were memorised: final 0.60)"},
     "gdpo": {"rewards": [ACC, PROCESS], "prompt": "working", "mechanism": "trl_credit/gdpo/gdpo_applied",
              "note": "two reward columns (with one, GDPO is GRPO)"},
     "corrgrpo": {"rewards": [ACC, PROCESS], "prompt": "working", "mechanism": "trl_credit/corrgrpo/active_fraction",
