@@ -370,7 +370,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
                   if any(h.get(k) is not None for h in steps)}  # fmt: skip
     if "frac_reward_zero_std" in mechanisms:
         mechanisms[INFORMATIVE] = 1.0 - mechanisms["frac_reward_zero_std"]
-    tracked = [k for k in logged if k.startswith("trl_credit/cost/") or k == variant.mechanism]
+    tracked = logged  # every plugin metric per step (30 x a few numbers), so a run can be diagnosed later
     series = {k: [[h["step"], round(h[k], 5)] for h in steps if h.get(k) is not None] for k in tracked}
     train_seconds = metrics["train_seconds"] - metrics.get("heldout_curve_seconds", 0.0)
     curve = [[0, base[variant.prompt]], *metrics["heldout_curve"]]
@@ -395,7 +395,7 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
         "eval_seconds": metrics.get("heldout_curve_seconds"), "wall_seconds": round(time.time() - clock, 1),
         "train_reward": [[h["step"], h.get(f"rewards/{ACC}/mean")] for h in steps],
         "mechanisms": mechanisms,
-        "series": series,  # per step: the mechanism metric and the extra passes' costs
+        "series": series,  # per step: every plugin metric (the mechanism, the extra passes' costs, ...)
     }  # fmt: skip
     path = result_path(out, variant.label, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
