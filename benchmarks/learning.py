@@ -370,7 +370,8 @@ def run_one(settings: Settings, variant: Variant, seed: int, out: Path, work: Pa
                   if any(h.get(k) is not None for h in steps)}  # fmt: skip
     if "frac_reward_zero_std" in mechanisms:
         mechanisms[INFORMATIVE] = 1.0 - mechanisms["frac_reward_zero_std"]
-    tracked = logged  # every plugin metric per step (30 x a few numbers), so a run can be diagnosed later
+    # every plugin metric per step (30 x a few numbers) and the policy's token entropy, so a run can be diagnosed later
+    tracked = [*logged, *(["entropy"] if any("entropy" in h for h in steps) else [])]
     series = {k: [[h["step"], round(h[k], 5)] for h in steps if h.get(k) is not None] for k in tracked}
     train_seconds = metrics["train_seconds"] - metrics.get("heldout_curve_seconds", 0.0)
     curve = [[0, base[variant.prompt]], *metrics["heldout_curve"]]

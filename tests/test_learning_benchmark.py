@@ -63,6 +63,11 @@ def test_quick_writes_results_json(quick):
         run = json.loads(path.read_text())
         assert [step for step, _ in run["curve"]] == [0, 1, 2] and len(run["tokens_per_step"]) == run["steps"] == 2
         assert run["generated_tokens"] == pytest.approx(sum(run["tokens_per_step"]), abs=0.2)
+        # every plugin metric and the policy's entropy per step, for diagnosing a run afterwards
+        assert [step for step, _ in run["series"]["entropy"]] == [1, 2]
+        assert all(value >= 0 for _, value in run["series"]["entropy"])
+        if path.parent.name == "dynamic_sampling":
+            assert {"trl_credit/kept_fraction", "trl_credit/cost/generation_seconds"} <= run["series"].keys()
     assert report["variants"].keys() == variants.keys() and len(report["goals"]) == 1
     assert report["goals"][0]["baseline"] == "grpo" and report["goals"][0]["steps_total"] == 2
     assert "**The combination goal**" in (out / "run" / "results.md").read_text()
