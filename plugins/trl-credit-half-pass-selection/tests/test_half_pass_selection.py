@@ -30,8 +30,10 @@ def weights(stats, config=None):
     return HalfPassSelection(HalfPassSelection.Config(**(config or {}))).prompt_weights(stats, 0)
 
 
-# Beta(1, 1) posterior means 1/10, 9/20, 11/20, 9/10
+# Beta(1, 1) posterior means 1/10, 9/20, 11/20, 9/10 (the population prior is Beta(1, 1) here: 26 of 52 passed)
 VECTOR_SEEN, VECTOR_PASSED = [8, 18, 18, 8], [0, 8, 10, 8]
+#: the rule before 0.2.3: a fixed Beta(1, 1) prior, prompts with mixed outcomes first
+OLD_RULE = {"prior": "fixed", "exploit": "mixed"}
 
 
 # ------------------------------------------------------------------------- ranking
@@ -56,9 +58,20 @@ def test_ranking_tie_breaks_and_target():
 
 def test_predicted_pass_rate_is_the_beta_posterior_mean():
     s = stats_for([8, 18, 0], [0, 8, 0])
-    torch.testing.assert_close(HalfPassSelection().predicted_pass_rate(s),
+    # population prior: m = 8 / 26 pooled, weight 2: (passed + 2m) / (seen + 2); the unseen prompt at m
+    m = 8 / 26
+    plugin = HalfPassSelection()
+    assert plugin.population_pass_rate(s) == pytest.approx(m)
+    torch.testing.assert_close(plugin.predicted_pass_rate(s),
+                               torch.tensor([2 * m / 10, (8 + 2 * m) / 20, m], dtype=torch.float64))
+    plugin = HalfPassSelection(HalfPassSelection.Config(prior_strength=6.0))
+    torch.testing.assert_close(plugin.predicted_pass_rate(s),
+                               torch.tensor([6 * m / 14, (8 + 6 * m) / 24, m], dtype=torch.float64))
+    assert HalfPassSelection().population_pass_rate(stats_for([0, 0], [0, 0])) == 0.5   # nothing seen yet
+    # fixed prior Beta(alpha, beta)
+    torch.testing.assert_close(HalfPassSelection(HalfPassSelection.Config(prior="fixed")).predicted_pass_rate(s),
                                torch.tensor([0.1, 0.45, 0.5], dtype=torch.float64))
-    plugin = HalfPassSelection(HalfPassSelection.Config(prior_alpha=2.0, prior_beta=6.0))
+    plugin = HalfPassSelection(HalfPassSelection.Config(prior="fixed", prior_alpha=2.0, prior_beta=6.0))
     torch.testing.assert_close(plugin.predicted_pass_rate(s),
                                torch.tensor([2 / 16, 10 / 26, 0.25], dtype=torch.float64))
 
@@ -66,12 +79,16 @@ def test_predicted_pass_rate_is_the_beta_posterior_mean():
 def test_history_latest_drops_a_prompt_the_policy_has_learned():
     # row 0: 3/8 at first, 8/8 when last scored (11 of 16 in all); row 1: mixed now (4/8); 2, 3 unseen
     s = stats_for([16, 8, 0, 0], [11, 4, 0, 0], prompts_per_batch=2, latest=([8, 8, 0, 0], [8, 4, 0, 0]))
-    torch.testing.assert_close(HalfPassSelection().predicted_pass_rate(s),
-                               torch.tensor([0.9, 0.5, 0.5, 0.5], dtype=torch.float64))
+    old = HalfPassSelection(HalfPassSelection.Config(**OLD_RULE))
+    torch.testing.assert_close(old.predicted_pass_rate(s), torch.tensor([0.9, 0.5, 0.5, 0.5], dtype=torch.float64))
     # latest: row 0 is all-pass (tier 2), so row 1 and a new prompt fill the batch
-    assert weights(s).tolist() == [0, 1, FILL_MASS / 2, FILL_MASS / 2]
+    assert weights(s, OLD_RULE).tolist() == [0, 1, FILL_MASS / 2, FILL_MASS / 2]
     # all: 11/16 is still mixed (p_hat 12/18), so row 0 is drawn again beside row 1
-    assert weights(s, {"history": "all"}).tolist() == [1, 1, 0, 0]
+    assert weights(s, {**OLD_RULE, "history": "all"}).tolist() == [1, 1, 0, 0]
+    # the defaults: latest counts pooled m = 12/16; row 0 at (8 + 1.5) / 10 is further from 1/2 than a new prompt
+    torch.testing.assert_close(HalfPassSelection().predicted_pass_rate(s),
+                               torch.tensor([0.95, 0.55, 0.75, 0.75], dtype=torch.float64))
+    assert weights(s).tolist() == [0, 1, FILL_MASS / 2, FILL_MASS / 2]
 
 
 # ------------------------------------------------------------------------- top-k weights
@@ -84,36 +101,54 @@ def test_top_k_selects_the_best_ranked(k, chosen):
     assert torch.equal(w, expected)
 
 
+def test_population_prior_draws_new_prompts_before_those_predicted_further_from_half():
+    # rows: 0 mixed (8/18), 1 always passed (8/8), 2 always failed (0/8), 3 mixed (2/8), 4-6 unseen.
+    # m = 18/42 = 3/7: p_hat = (passed + 6/7) / (seen + 2) = 0.443, 0.886, 0.086, 0.286; unseen 0.429.
+    # Row 0 is nearer 1/2 than a new prompt (0.057 < 0.071), row 3 is not (0.214): new prompts go first
+    s = stats_for([18, 8, 8, 8, 0, 0, 0], [8, 8, 0, 2, 0, 0, 0], prompts_per_batch=2)
+    assert weights(s).tolist() == [1, 0, 0, 0] + [FILL_MASS / 3] * 3
+    s.prompts_per_batch = 4
+    assert weights(s).tolist() == [1, 0, 0, 0, 1, 1, 1]
+    s.prompts_per_batch = 5
+    assert weights(s).tolist() == [1, 0, 0, 1, 1, 1, 1]
+    # a prompt passed 7 times of 8: under the old rule's tier it outranks every new prompt; here
+    # (m = 11/16) it is predicted at 0.84, further from 1/2 than a new prompt (0.69)
+    s = stats_for([8, 8, 0, 0], [7, 4, 0, 0], prompts_per_batch=2)
+    assert weights(s, OLD_RULE).tolist() == [1, 1, 0, 0]
+    assert weights(s).tolist() == [0, 1, FILL_MASS / 2, FILL_MASS / 2]
+
+
 def test_mixed_prompts_first_then_unseen_then_the_rest():
+    # the old rule (exploit: mixed, fixed Beta(1, 1) prior)
     # rows: 0 mixed (p 0.45), 1 always passed (0.9), 2 always failed (0.1), 3 mixed (0.3), 4-6 unseen
     s = stats_for([18, 8, 8, 8, 0, 0, 0], [8, 8, 0, 2, 0, 0, 0], prompts_per_batch=4)
-    w = weights(s)
+    w = weights(s, OLD_RULE)
     assert w[[0, 3]].tolist() == [1.0, 1.0]
     assert w[[1, 2]].tolist() == [0.0, 0.0]
     assert w[4:].tolist() == [FILL_MASS / 3] * 3                  # two open slots, drawn among the 3 unseen
     s.prompts_per_batch = 6                                        # every unseen prompt fits, then row 2 (0.1
-    assert weights(s).tolist() == [1, 0, 1, 1, 1, 1, 1]           # ties 0.9 on distance, below 1/2 first)
-    # exploit: all ranks by p_hat alone: unseen prompts sit at the prior mean 1/2 and come first
+    assert weights(s, OLD_RULE).tolist() == [1, 0, 1, 1, 1, 1, 1]  # ties 0.9 on distance, below 1/2 first)
+    # exploit: all ranks by p_hat alone: with a fixed Beta(1, 1) prior unseen prompts sit at 1/2 and come first
     s.prompts_per_batch = 2
-    assert weights(s, {"exploit": "all"}).tolist() == [0, 0, 0, 0, 1, 1, 1]
+    assert weights(s, {"prior": "fixed"}).tolist() == [0, 0, 0, 0, 1, 1, 1]
     s.prompts_per_batch = 4
-    assert weights(s, {"exploit": "all"}).tolist() == [1, 0, 0, 0, 1, 1, 1]
+    assert weights(s, {"prior": "fixed"}).tolist() == [1, 0, 0, 0, 1, 1, 1]
     # a prior Beta(1, 3) predicts an unseen prompt at 1/4 (posteriors 9/22, 9/12, 1/12, 3/12, unseen 1/4):
     # behind row 0, tied with row 3 on distance and side but never scored, so ahead of it
     s.prompts_per_batch = 2
-    w = weights(s, {"exploit": "all", "prior_beta": 3.0})
+    w = weights(s, {"prior": "fixed", "prior_beta": 3.0})
     assert w[0] == 1.0 and w[1:4].tolist() == [0, 0, 0] and w[4:].tolist() == [FILL_MASS / 3] * 3
 
 
 def test_explore_share_reserves_slots_for_unseen_prompts():
     s = stats_for([18, 18, 18, 18, 0, 0, 0], [8, 9, 10, 7, 0, 0, 0], prompts_per_batch=4)
-    assert weights(s).tolist() == [1, 1, 1, 1, 0, 0, 0]
-    w = weights(s, {"explore_share": 0.5})                        # floor(0.5 * 4) = 2 slots for unseen
+    assert weights(s, OLD_RULE).tolist() == [1, 1, 1, 1, 0, 0, 0]
+    w = weights(s, {**OLD_RULE, "explore_share": 0.5})           # floor(0.5 * 4) = 2 slots for unseen
     assert w[:4].tolist() == [1, 1, 0, 0] and w[4:].tolist() == [FILL_MASS / 3] * 3
-    w = weights(s, {"explore_share": 0.3})                        # floor(1.2) = 1
+    w = weights(s, {**OLD_RULE, "explore_share": 0.3})           # floor(1.2) = 1
     assert w[:4].tolist() == [1, 1, 1, 0]
     s.prompts_per_batch = 10                                       # more slots than unseen: all unseen in
-    assert weights(s, {"explore_share": 1.0}).tolist() == [1.0] * 7
+    assert weights(s, {**OLD_RULE, "explore_share": 1.0}).tolist() == [1.0] * 7
 
 
 def test_nothing_seen_is_uniform_and_unknown_batch_size():
@@ -133,7 +168,7 @@ def test_weights_are_a_pure_function_of_the_stats():
 
 def test_host_sampler_draws_exactly_the_chosen_and_fills_from_unseen():
     s = stats_for([18, 8, 8, 8] + [0] * 12, [8, 8, 0, 2] + [0] * 12, prompts_per_batch=4)
-    pipeline_weights = run_curriculum(HalfPassSelection, s)
+    pipeline_weights = run_curriculum(HalfPassSelection, s, OLD_RULE)
     fills = set()
     for seed in range(40):
         # the host's draw (hookspec prompt_weights): k prompts without replacement, probability ~ weight
@@ -166,6 +201,7 @@ def test_soft_exploration_share():
 
 # ------------------------------------------------------------------------- config and contract
 @pytest.mark.parametrize("options, key", [({"prior_alpha": 0}, "prior_alpha"), ({"mode": "greedy"}, "mode"),
+                                          ({"prior": "beta"}, "prior"), ({"prior_strength": 0}, "prior_strength"),
                                           ({"explore_share": 1.5}, "explore_share"),
                                           ({"temperature": 0}, "temperature"), ({"above_weight": 0}, "above_weight"),
                                           ({"exploit": "some"}, "exploit"), ({"history": "recent"}, "history"),
@@ -185,7 +221,7 @@ def test_no_setting_is_refused():
 def test_contract():
     check_plugin(HalfPassSelection)
     check_plugin(HalfPassSelection, {"mode": "soft", "explore_share": 0.25})
-    check_plugin("half_pass_selection", {"exploit": "all"})         # the installed entry point
+    check_plugin("half_pass_selection", OLD_RULE)                   # the installed entry point
 
 
 # ------------------------------------------------------------------------- real runs
@@ -221,10 +257,16 @@ def make_trainer(tmp_path, plugins, log, max_steps=6, callbacks=None, **override
                       num_generations=G, max_completion_length=4, **overrides)
 
 
+#: groups of G = 2 make 1 of 2 and 0 of 2 weak evidence: at the default prior weight (2 rollouts) a half-pass
+#: row is predicted at (1 + 2m) / 4, about 0.7, and an always-failing one at m / 2, about 0.4, nearer 1/2; a
+#: weight of 0.5 (a quarter of a group) lets the two rollouts speak
+RUN_OPTIONS = {"prior_strength": 0.5}
+
+
 @pytest.fixture(scope="module")
 def curriculum_run(tmp_path_factory):
     log = []
-    trainer = make_trainer(tmp_path_factory.mktemp("half_pass"), [{"name": "half_pass_selection"}], log)
+    trainer = make_trainer(tmp_path_factory.mktemp("half_pass"), [{"name": "half_pass_selection", **RUN_OPTIONS}], log)
     trainer.train()
     return trainer, log
 
@@ -232,8 +274,10 @@ def curriculum_run(tmp_path_factory):
 def test_training_draws_the_half_pass_rows(curriculum_run, tmp_path):
     """8 prompts per batch from 32 rows; difficulty-1 rows pass half of the time. The loader fetches one
     batch ahead, so the draw of batch b sees the rollouts of batches 1..b-2: batches 1-2 are uniform,
-    from batch 3 on every difficulty-1 row already scored (both outcomes seen, p_hat 1/2) is drawn
-    again, and no always-passing or always-failing row is drawn again while unseen rows remain."""
+    from batch 3 on every difficulty-1 row already scored (1 of 2 passed: p_hat (1 + 0.5 m) / 2.5, about
+    0.55) is drawn again, and no always-passing row ((2 + 0.5 m) / 2.5, about 0.97) is, while unseen rows
+    remain. Most rows always pass, so m is high (0.87 at batch 4 on this seed) and a new row is predicted
+    further from 1/2 than an always-failing one (0.2 m): those rows may come back, as the rule says."""
     trainer, log = curriculum_run
     assert trainer.state.global_step == 6 and len(log) == 6
     difficulty = arithmetic()["difficulty"]
@@ -241,7 +285,8 @@ def test_training_draws_the_half_pass_rows(curriculum_run, tmp_path):
         known = {r for batch in log[: b - 1] for r in batch}
         half = {r for r in known if difficulty[r] == 1}
         assert half <= set(log[b]), f"batch {b + 1} misses half-pass rows {half - set(log[b])}"
-        assert not (known - half) & set(log[b]), f"batch {b + 1} re-draws a solved/failed row"
+        solved = {r for r in known if difficulty[r] == 2}
+        assert not solved & set(log[b]), f"batch {b + 1} re-draws a solved row"
     # compared with TRL's uniform sampler on the same seed (a run without the plugin draws these)
     uniform = make_trainer(tmp_path, [], [])
     baseline = []
