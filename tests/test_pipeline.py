@@ -151,6 +151,8 @@ def test_prompt_stats_latest_counts_keep_only_the_step_a_prompt_was_last_scored_
     stats.update(torch.tensor([0, 2]), torch.tensor([1.0, 0.0]), step=2)           # a refill round of step 2
     assert stats.seen.tolist() == [5, 2, 1] and stats.passed.tolist() == [4, 0, 0]
     assert stats.latest_seen.tolist() == [3, 2, 1] and stats.latest_passed.tolist() == [3, 0, 0]
+    assert [t.tolist() for t in stats.counts()] == [[5, 2, 1], [4, 0, 0]]
+    assert [t.tolist() for t in stats.counts(latest=True)] == [[3, 2, 1], [3, 0, 0]]
     assert stats.pass_rate(latest=True)[0] == 1.0 and stats.pass_rate()[0] == 0.8
     torch.testing.assert_close(stats.posterior_mean(latest=True), torch.tensor([0.8, 0.25, 1 / 3], dtype=torch.float64))
     restored = PromptStats.empty(3)

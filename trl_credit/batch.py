@@ -665,20 +665,22 @@ class PromptStats:
     def num_prompts(self) -> int:
         return self.seen.shape[0]
 
-    def _counts(self, latest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def counts(self, latest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seen, passed)``, each ``(P,)``: every rollout since the start, or (``latest``) those of the
+        step each prompt was last scored in. The tensors themselves, not copies."""
         return (self.latest_seen, self.latest_passed) if latest else (self.seen, self.passed)
 
     def pass_rate(self, latest: bool = False) -> torch.Tensor:
         """``(P,)`` empirical pass rate (``latest``: in the step each prompt was last scored), NaN for
         prompts never seen."""
-        seen, passed = self._counts(latest)
+        seen, passed = self.counts(latest)
         return passed / seen.where(seen > 0, torch.tensor(math.nan, dtype=seen.dtype))
 
     def posterior_mean(self, alpha: float = 1.0, beta: float = 1.0, latest: bool = False) -> torch.Tensor:
         """``(P,)`` mean of the Beta(alpha + passed, beta + seen - passed) posterior of each prompt's
         pass rate (a Beta(alpha, beta) prior; unseen prompts get the prior mean; ``latest``: the counts
         of the step each prompt was last scored in)."""
-        seen, passed = self._counts(latest)
+        seen, passed = self.counts(latest)
         return (passed + alpha) / (seen + alpha + beta)
 
     def mean_reward(self) -> torch.Tensor:

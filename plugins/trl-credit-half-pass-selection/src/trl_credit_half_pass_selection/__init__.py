@@ -36,8 +36,8 @@ outranks every unseen prompt, and in the learning benchmark the batches' trainin
 0.8 in steps 11-20 (GRPO's: 0.5), far from the 1/2 the rule aims at.
 
 Then nearest to ``target = 1/2`` first; among equally near prompts the one predicted to fail more
-often than not first (``prefer_below``; off: this component is 0); then the one scored longest ago (unseen prompts have ``last_step = -1``);
-then the lower dataset row, except that the unseen prompts, which all share one key, are drawn
+often than not first (``prefer_below``; off: this component is 0); then the one scored longest ago
+(unseen prompts have ``last_step = -1``); then the lower dataset row, except that the unseen prompts, which all share one key, are drawn
 among themselves uniformly at random by the host's seeded sampler. Distances equal within 1e-6 count
 as equal, so 0.45 and 0.55 tie on distance. Example: ``p_hat = {0.1, 0.45, 0.55, 0.9}`` ranks
 ``0.45, 0.55, 0.1, 0.9``.
@@ -204,8 +204,7 @@ class HalfPassSelection(Plugin):
 
     def population_pass_rate(self, stats: PromptStats) -> float:
         """``m``: passed / seen pooled over every prompt (the counts ``history`` picks); 1/2 before any is seen."""
-        seen, passed = ((stats.latest_seen, stats.latest_passed) if self.config.history == "latest"
-                        else (stats.seen, stats.passed))
+        seen, passed = stats.counts(latest=self.config.history == "latest")
         total = float(seen.sum())
         return float(passed.sum()) / total if total > 0 else 0.5
 
@@ -223,8 +222,7 @@ class HalfPassSelection(Plugin):
         n_explore = min(math.floor(c.explore_share * k + 1e-9), unseen_count)
         distance, above = _keys(p_hat, c.target, c.prefer_below)
         if c.exploit == "mixed":
-            seen_n, passed_n = ((stats.latest_seen, stats.latest_passed) if c.history == "latest"
-                                else (stats.seen, stats.passed))
+            seen_n, passed_n = stats.counts(latest=c.history == "latest")
             mixed = (passed_n > 0) & (passed_n < seen_n)
             tier = torch.where(mixed, 0, torch.where(seen, 2, 1))
         else:
