@@ -17,6 +17,11 @@ Every run is a real ``trl-credit train`` run (a generated YAML config). Comparis
   at the baseline's total tokens on the same seed (the last evaluation within that budget) and the
   tokens they need to reach the baseline's final accuracy are reported.
 
+A combination (``--combo``) is the project's goal: GRPO's final accuracy in at most 60% of its steps at no
+more than 1.1x its time per step. Each of its seeds is followed by a **control**, its baseline rerun on the same
+seed (``runs/control_<baseline>/``), and the time per step is compared with that rerun: step times of the same
+config differed by up to 1.6x between sessions on this kind of machine.
+
 The report holds every finished run of the settings under ``--out``, whichever command made it, so
 ``--plugins X`` or more ``--seeds`` never drop the rest of the grid from the tables.
 
@@ -275,6 +280,38 @@ def combo_variant(names: list[str]) -> Variant:
                    trainer, prompt, "trl_credit/kept_fraction")  # fmt: skip
 
 
+def control_variant(variant: Variant) -> Variant:
+    """A combination's baseline rerun beside it (label ``control:<baseline>``, its own folder and fingerprint): the
+    goal's time per step is read against runs made on the same machine at the same time, not against baseline runs
+    of other sessions, whose speed differed by up to 1.6x on the same kind of machine."""
+    return Variant("control:" + variant.baseline, [], list(variant.rewards),
+                   "the baseline rerun next to a combination, for its time per step", dict(variant.trainer),
+                   variant.prompt, INFORMATIVE)  # fmt: skip
+
+
+def tasks_of(variants: list[Variant], seeds: list[int]) -> list[tuple[Variant, int]]:
+    """The runs in order: variant-major (a partial grid is paired), and each combination seed followed by its
+    control on the same seed (`control_variant`), so the pair shares the machine's state."""
+    tasks: list[tuple[Variant, int]] = []
+    for variant in variants:
+        for seed in seeds:
+            tasks.append((variant, seed))
+            if variant.label.startswith("combo:"):
+                tasks.append((control_variant(variant), seed))
+    return tasks
+
+
+def controls_on_disk(settings: Settings, variant: Variant, out: Path) -> dict[int, dict[str, Any]]:
+    """``{seed: finished control run}`` of a combination (every seed on disk with these settings)."""
+    control = control_variant(variant)
+    found: dict[int, dict[str, Any]] = {}
+    for path in sorted(result_path(out, control.label, 0).parent.glob("seed*.json")):
+        seed = path.stem.removeprefix("seed")
+        if seed.isdigit() and (result := finished(settings, control, int(seed), out)) is not None:
+            found[int(seed)] = result
+    return found
+
+
 def plan(settings: Settings, selected: list[str] | None, combos: list[list[str]], work: Path,
          quick: bool) -> tuple[list[Variant], dict[str, str]]:
     """Variants to run (baselines first) and ``{plugin: reason}`` for the ones that do not apply."""
@@ -470,12 +507,12 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
 def labels_on_disk(out: Path) -> tuple[list[str], list[list[str]]]:
     """The plugin labels and the combinations (as plugin lists) with a run folder under ``out/runs``; baselines
     (``grpo``, ``grpo+...``, ``grpo@...``, as `Variant.baseline` names them) are not listed: their plugins
-    bring them."""
+    bring them; nor are a combination's timing controls (``control_...``): its goal reads them."""
     folder = out / "runs"
     labels = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
     baseline = [name for name in labels if name == "grpo" or name.startswith(("grpo+", "grpo@"))]
     combos = [name.removeprefix("combo_").split("+") for name in labels if name.startswith("combo_")]
-    plugins = [name for name in labels if name not in baseline and not name.startswith("combo_")]
+    plugins = [name for name in labels if name not in baseline and not name.startswith(("combo_", "control_"))]
     return plugins, combos
 
 
@@ -902,13 +939,16 @@ def best_combo(settings: Settings, ranking: list[str], n: int, work: Path) -> li
     raise SystemExit(f"no two of the best plugins ({', '.join(ranking[:n])}) validate together")
 
 
-def goal(summary: dict[str, Any], label: str, results: dict[str, list[dict]] | None = None) -> dict[str, Any] | None:
+def goal(summary: dict[str, Any], label: str, results: dict[str, list[dict]] | None = None,
+         controls: dict[int, dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The project's goal for a combination: its baseline's final accuracy (per seed) within 60% of the steps, at
     no more than 1.1x the baseline's time per step.
 
     The baseline is the combination's matched GRPO (same prompt, reward columns and trainer keys). Steps: the
     median over the paired seeds of the first evaluation that reaches the target, a seed that never does counting
-    as never. With evaluations every few steps the limit is in effect the last evaluation at or below it.
+    as never. With evaluations every few steps the limit is in effect the last evaluation at or below it. Time:
+    against ``controls`` (``{seed: the baseline rerun next to the combination}``, `control_variant`) on the seeds
+    that have one, else against the stored baseline runs, which may come from another session.
     """
     row = summary.get(label)
     if row is None or not row.get("paired_seeds") or "steps_to_target" not in row:
@@ -920,14 +960,23 @@ def goal(summary: dict[str, Any], label: str, results: dict[str, list[dict]] | N
     effective = max((e for e in evaluations if e <= limit), default=None) if evaluations else limit
     steps = sorted(math.inf if s is None else s for s in row["steps_to_target"])
     median = statistics.median(steps)
-    ratio = row["time_ratio"]["mean"]
+    mine = {r["seed"]: r for r in runs}
+    timed = sorted(seed for seed in (controls or {}) if seed in mine)
+    if timed:
+        ratio = statistics.fmean(time_ratio(mine[seed], controls[seed]) for seed in timed)
+    else:
+        ratio = row["time_ratio"]["mean"]
+    # the control is the baseline's own config and seed: how closely it repeats the stored run's final accuracy
+    stored = dict(zip(row["paired_seeds"], row.get("targets", [])))
+    repeat = [controls[seed]["curve"][-1][1] - stored[seed] for seed in timed if seed in stored]
     return {"label": label, "baseline": row["baseline"], "seeds": row["paired_seeds"],
             "steps_to_target": row["steps_to_target"],
             "median_steps_to_target": None if math.isinf(median) else median,
             "baseline_steps_to_target": row.get("baseline_steps_to_target"), "steps_total": total,
             "steps_limit": limit, "effective_limit": effective,
             "steps_met": not math.isinf(median) and median <= limit, "time_ratio": ratio,
-            "time_met": ratio is not None and ratio <= 1.1}  # fmt: skip
+            "time_against": f"control:{row['baseline']}" if timed else row["baseline"], "time_seeds": timed,
+            "control_repeat_final": repeat, "time_met": ratio is not None and ratio <= 1.1}  # fmt: skip
 
 
 def goals_table(goals: list[dict[str, Any]]) -> list[str]:
@@ -950,8 +999,18 @@ def goals_table(goals: list[dict[str, Any]]) -> list[str]:
         met = "**yes**" if g["steps_met"] and g["time_met"] else "no (" + ", ".join(
             x for x, ok in (("steps", g["steps_met"]), ("time", g["time_met"])) if not ok) + ")"
         median = "never" if g["median_steps_to_target"] is None else f"{g['median_steps_to_target']:g}"  # 12.5 stays
+        timed = g.get("time_seeds") or []
+        against = (f"vs its control reruns ({len(timed)} seeds)" if timed
+                   else "vs the stored baseline runs (other sessions: rough)")
         lines.append(f"| {g['label']} | {g['baseline']} | {len(g['seeds'])} | {per_seed} | {median} | {limit} | "
-                     f"{own or 'n/a'} | {_f(g['time_ratio'], 2)} | {met} |")  # fmt: skip
+                     f"{own or 'n/a'} | {_f(g['time_ratio'], 2)} {against} | {met} |")  # fmt: skip
+    for g in goals:
+        if g.get("control_repeat_final"):
+            gaps = g["control_repeat_final"]
+            lines.append(f"\n`control:{g['baseline']}` reruns {g['baseline']}'s config and seeds next to "
+                         f"{g['label']}, so the time per step is compared on the same machine at the same time; "
+                         f"its final accuracy differs from the stored {g['baseline']} runs' by "
+                         f"{', '.join(_f(x, 3, sign=True) for x in gaps)} (same seeds).")  # fmt: skip
     return lines
 
 
@@ -1117,7 +1176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     bases = {p: base_accuracy(settings, p, out, work, log) for p in sorted({v.prompt for v in variants})}
     base = {p: b["heldout"] for p, b in bases.items()}
-    tasks = [(variant, seed) for variant in variants for seed in seeds]  # variant-major: a partial grid is paired
+    tasks = tasks_of(variants, seeds)
     if args.report_only:
         done = [(task, finished(settings, *task, out)) for task in tasks]
         missing = [f"{variant.label}/seed{seed}" for (variant, seed), result in done if result is None]
@@ -1140,7 +1199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     figures = {"step": out / "curves_by_step.png", "tokens": out / "curves_by_tokens.png"}
     for x, path in figures.items():
         plot(summary, results, path, x)
-    goals = [g for g in (goal(summary, v.label, results) for v in variants if v.label.startswith("combo:")) if g]
+    goals = [g for g in (goal(summary, v.label, results, controls_on_disk(settings, v, out)) for v in variants
+                         if v.label.startswith("combo:")) if g]  # fmt: skip
     captions = [("held-out accuracy per step, each plugin against its baseline", figures["step"].name),
                 ("held-out accuracy against generated tokens", figures["tokens"].name)]
     table = markdown(summary, skipped, settings, bases, captions, missing, goals, hours_left)

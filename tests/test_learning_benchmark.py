@@ -70,6 +70,13 @@ def test_quick_writes_results_json(quick):
             assert {"trl_credit/kept_fraction", "trl_credit/cost/generation_seconds"} <= run["series"].keys()
     assert report["variants"].keys() == variants.keys() and len(report["goals"]) == 1
     assert report["goals"][0]["baseline"] == "grpo" and report["goals"][0]["steps_total"] == 2
+    # the combination's seed is followed by its control (the baseline rerun), and the goal's time reads it
+    control = json.loads((out / "run" / "runs" / "control_grpo" / "seed0.json").read_text())
+    combo = json.loads((out / "run" / "runs" / "combo_dynamic_sampling+balanced_aggregation" / "seed0.json").read_text())
+    assert control["plugins"] == [] and control["label"] == "control:grpo"
+    assert report["goals"][0]["time_against"] == "control:grpo" and report["goals"][0]["time_seeds"] == [0]
+    assert report["goals"][0]["time_ratio"] == pytest.approx(_load("learning").time_ratio(combo, control))
+    assert "control:grpo" not in report["variants"]  # not a row of the tables
     assert "**The combination goal**" in (out / "run" / "results.md").read_text()
 
 
@@ -96,12 +103,12 @@ def test_quick_is_resumable(quick, capsys):
                                     "--plugins", "dynamic_sampling,balanced_aggregation",
                                     "--combo", "dynamic_sampling,balanced_aggregation"])
     printed = capsys.readouterr().out
-    assert "4 of 4 runs done already; 0 to run" in printed and "training" not in printed
+    assert "5 of 5 runs done already; 0 to run" in printed and "training" not in printed
     # --combo alone plans the combination and its baseline only; the report still holds every run on disk
     combo_only = _load("learning").main(["--quick", "--out", str(out / "run"), "--docs", "",
                                          "--combo", "dynamic_sampling,balanced_aggregation"])
     printed = capsys.readouterr().out
-    assert "2 of 2 runs done already; 0 to run" in printed and "training" not in printed
+    assert "3 of 3 runs done already; 0 to run" in printed and "training" not in printed
     assert combo_only["variants"].keys() == report["variants"].keys()
     assert json.loads(json.dumps(again["variants"], default=str)) == json.loads(json.dumps(report["variants"],
                                                                                            default=str))
@@ -164,16 +171,43 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
     assert g["median_steps_to_target"] is None and not g["steps_met"] and g["time_met"]  # median of (10, never)
     assert g["steps_limit"] == pytest.approx(18.0) and g["effective_limit"] == 10
     table = "\n".join(learning.goals_table([g]))
-    assert "| combo:a+b | grpo | 2 | 10, never | never | ≤ 18 of 30 (in effect the evaluation at step 10) | 20, 20 | 1.05 | no (steps) |" in table
+    assert ("| combo:a+b | grpo | 2 | 10, never | never | ≤ 18 of 30 (in effect the evaluation at step 10) | 20, 20 | "
+            "1.05 vs the stored baseline runs (other sessions: rough) | no (steps) |") in table
     row["steps_to_target"] = [10, 10]
     g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo})
     assert g["median_steps_to_target"] == 10 and g["steps_met"] and "| **yes** |" in "\n".join(learning.goals_table([g]))
+    # controls: the baseline rerun next to the combination. The time ratio reads them on the seeds they cover (here
+    # seed 0 at 15 s a step: 21 / 15 = 1.4, though the stored baseline's 20 s would pass), and the table says how
+    # far the rerun's final accuracy is from the stored baseline's on the same seed
+    controls = {0: _run(0, [[s, a] for s, a in zip(grid, (0.4, 0.5, 0.6, 0.65))], [100.0] * 30, seconds=15.0),
+                7: _run(7, [[0, 0.4], [30, 0.5]], [100.0] * 30, seconds=1.0)}  # seed 7: no combination run, ignored
+    g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo}, controls)
+    assert g["time_ratio"] == pytest.approx(1.4) and not g["time_met"] and g["time_seeds"] == [0]
+    assert g["time_against"] == "control:grpo" and g["control_repeat_final"] == [pytest.approx(0.05)]
+    table = "\n".join(learning.goals_table([g]))
+    assert "| 1.40 vs its control reruns (1 seeds) | no (time) |" in table
+    assert "differs from the stored grpo runs' by +0.050 (same seeds)" in table
+
+
+def test_a_combination_seed_is_followed_by_its_control():
+    learning = _load("learning")
+    grpo = learning.Variant("grpo", [], [learning.ACC])
+    combo = learning.combo_variant(["dynamic_sampling", "gdpo"])
+    tasks = [(v.label, seed) for v, seed in learning.tasks_of([grpo, combo], [0, 1])]
+    assert tasks == [("grpo", 0), ("grpo", 1), (combo.label, 0), (f"control:{combo.baseline}", 0), (combo.label, 1),
+                     (f"control:{combo.baseline}", 1)]
+    control = learning.control_variant(combo)
+    assert control.is_baseline and control.baseline == combo.baseline == "grpo+steps@working"
+    assert learning.run_config(learning.Settings(), control, 3, "x") == learning.run_config(
+        learning.Settings(), combo.baseline_variant(), 3, "x")  # the same training run as the baseline's
+    assert learning.fingerprint(learning.Settings(), control, 3) != learning.fingerprint(
+        learning.Settings(), combo.baseline_variant(), 3)  # but its own result file
 
 
 def test_report_labels_on_disk_and_generation_cycles(tmp_path):
     learning = _load("learning")
     for name in ("grpo", "grpo+steps@working", "grpo@loss_type=grpo", "grpo_lambda", "grpo_care", "combo_a+b",
-                 "dynamic_sampling"):
+                 "dynamic_sampling", "control_grpo"):
         (tmp_path / "runs" / name).mkdir(parents=True)
     # baselines are what Variant.baseline names (grpo, grpo+..., grpo@...), not every name that starts with grpo
     assert learning.labels_on_disk(tmp_path) == (["dynamic_sampling", "grpo_care", "grpo_lambda"], [["a", "b"]])
