@@ -303,13 +303,7 @@ def tasks_of(variants: list[Variant], seeds: list[int]) -> list[tuple[Variant, i
 
 def controls_on_disk(settings: Settings, variant: Variant, out: Path) -> dict[int, dict[str, Any]]:
     """``{seed: finished control run}`` of a combination (every seed on disk with these settings)."""
-    control = control_variant(variant)
-    found: dict[int, dict[str, Any]] = {}
-    for path in sorted(result_path(out, control.label, 0).parent.glob("seed*.json")):
-        seed = path.stem.removeprefix("seed")
-        if seed.isdigit() and (result := finished(settings, control, int(seed), out)) is not None:
-            found[int(seed)] = result
-    return found
+    return finished_on_disk(settings, control_variant(variant), out)
 
 
 def plan(settings: Settings, selected: list[str] | None, combos: list[list[str]], work: Path,
@@ -466,6 +460,16 @@ def finished(settings: Settings, variant: Variant, seed: int, out: Path) -> dict
     return done if done.get("fingerprint") == fingerprint(settings, variant, seed) else None
 
 
+def finished_on_disk(settings: Settings, variant: Variant, out: Path) -> dict[int, dict[str, Any]]:
+    """``{seed: result}`` for every seed of the variant stored under ``out`` with these settings."""
+    found: dict[int, dict[str, Any]] = {}
+    for path in sorted(result_path(out, variant.label, 0).parent.glob("seed*.json")):
+        seed = path.stem.removeprefix("seed")
+        if seed.isdigit() and (result := finished(settings, variant, int(seed), out)) is not None:
+            found[int(seed)] = result
+    return found
+
+
 def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str], pairs: list, out: Path, work: Path,
             quick: bool, log) -> tuple[list[Variant], dict[str, str], dict[str, list[dict]]]:
     """The report's variants, what does not apply, and ``{label: finished runs}``: this command's runs, plus every
@@ -486,12 +490,9 @@ def on_disk(settings: Settings, variants: list[Variant], skipped: dict[str, str]
         results.setdefault(variant.label, []).append(result)
     for variant in report:
         have = {r["seed"] for r in results.get(variant.label, [])}
-        for path in sorted(result_path(out, variant.label, 0).parent.glob("seed*.json")):
-            seed = path.stem.removeprefix("seed")
-            if seed.isdigit() and int(seed) not in have:
-                result = finished(settings, variant, int(seed), out)
-                if result is not None:
-                    results.setdefault(variant.label, []).append(result)
+        for seed, result in finished_on_disk(settings, variant, out).items():
+            if seed not in have:
+                results.setdefault(variant.label, []).append(result)
         results.get(variant.label, []).sort(key=lambda r: r["seed"])
     # a folder of another setting (another --steps, say) holds no run of these settings: its variant stays out,
     # and so does a baseline that no reported plugin needs

@@ -37,8 +37,8 @@ outranks every unseen prompt, and in the learning benchmark the batches' trainin
 
 Then nearest to ``target = 1/2`` first; among equally near prompts the one predicted to fail more
 often than not first (``prefer_below``; off: this component is 0); then the one scored longest ago
-(unseen prompts have ``last_step = -1``); then the lower dataset row, except that the unseen prompts, which all share one key, are drawn
-among themselves uniformly at random by the host's seeded sampler. Distances equal within 1e-6 count
+(unseen prompts have ``last_step = -1``); then the lower dataset row, except that the unseen prompts,
+which all share one key, are drawn among themselves uniformly at random by the host's seeded sampler. Distances equal within 1e-6 count
 as equal, so 0.45 and 0.55 tie on distance. Example: ``p_hat = {0.1, 0.45, 0.55, 0.9}`` ranks
 ``0.45, 0.55, 0.1, 0.9``.
 
