@@ -71,12 +71,13 @@ def test_quick_writes_results_json(quick):
     assert report["variants"].keys() == variants.keys() and len(report["goals"]) == 1
     assert report["goals"][0]["baseline"] == "grpo" and report["goals"][0]["steps_total"] == 2
     # the combination's seed is followed by its control (the baseline rerun), and the goal's time reads it
-    control = json.loads((out / "run" / "runs" / "control_grpo" / "seed0.json").read_text())
-    combo = json.loads((out / "run" / "runs" / "combo_dynamic_sampling+balanced_aggregation" / "seed0.json").read_text())
-    assert control["plugins"] == [] and control["label"] == "control:grpo"
-    assert report["goals"][0]["time_against"] == "control:grpo" and report["goals"][0]["time_seeds"] == [0]
+    pair = "dynamic_sampling+balanced_aggregation"
+    control = json.loads((out / "run" / "runs" / f"control_{pair}" / "seed0.json").read_text())
+    combo = json.loads((out / "run" / "runs" / f"combo_{pair}" / "seed0.json").read_text())
+    assert control["plugins"] == [] and control["label"] == f"control:{pair}"
+    assert report["goals"][0]["time_against"] == f"control:{pair}" and report["goals"][0]["time_seeds"] == [0]
     assert report["goals"][0]["time_ratio"] == pytest.approx(_load("learning").time_ratio(combo, control))
-    assert "control:grpo" not in report["variants"]  # not a row of the tables
+    assert f"control:{pair}" not in report["variants"]  # not a row of the tables
     assert "**The combination goal**" in (out / "run" / "results.md").read_text()
 
 
@@ -183,8 +184,9 @@ def test_paired_targets_budgets_and_the_goal_on_known_runs():
                 7: _run(7, [[0, 0.4], [30, 0.5]], [100.0] * 30, seconds=1.0)}  # seed 7: no combination run, ignored
     g = learning.goal(summary, "combo:a+b", {"combo:a+b": combo}, controls)
     assert g["time_ratio"] == pytest.approx(1.4) and not g["time_met"] and g["time_seeds"] == [0]
-    assert g["time_against"] == "control:grpo" and g["control_repeat_final"] == [pytest.approx(0.05)]
+    assert g["time_against"] == "control:a+b" and g["control_repeat_final"] == [pytest.approx(0.05)]
     table = "\n".join(learning.goals_table([g]))
+    assert "`control:a+b` reruns grpo's config and seeds next to combo:a+b" in table
     assert "| 1.40 vs its control reruns (1 seeds) | no (time) |" in table
     assert "differs from the stored grpo runs' by +0.050 (same seeds)" in table
 
@@ -194,9 +196,10 @@ def test_a_combination_seed_is_followed_by_its_control():
     grpo = learning.Variant("grpo", [], [learning.ACC])
     combo = learning.combo_variant(["dynamic_sampling", "gdpo"])
     tasks = [(v.label, seed) for v, seed in learning.tasks_of([grpo, combo], [0, 1])]
-    assert tasks == [("grpo", 0), ("grpo", 1), (combo.label, 0), (f"control:{combo.baseline}", 0), (combo.label, 1),
-                     (f"control:{combo.baseline}", 1)]
+    control = "control:dynamic_sampling+gdpo"  # one per combination: each is timed against its own session's reruns
+    assert tasks == [("grpo", 0), ("grpo", 1), (combo.label, 0), (control, 0), (combo.label, 1), (control, 1)]
     control = learning.control_variant(combo)
+    assert control.label != learning.control_variant(learning.combo_variant(["gdpo", "dynamic_sampling"])).label
     assert control.is_baseline and control.baseline == combo.baseline == "grpo+steps@working"
     assert learning.run_config(learning.Settings(), control, 3, "x") == learning.run_config(
         learning.Settings(), combo.baseline_variant(), 3, "x")  # the same training run as the baseline's
@@ -207,7 +210,7 @@ def test_a_combination_seed_is_followed_by_its_control():
 def test_report_labels_on_disk_and_generation_cycles(tmp_path):
     learning = _load("learning")
     for name in ("grpo", "grpo+steps@working", "grpo@loss_type=grpo", "grpo_lambda", "grpo_care", "combo_a+b",
-                 "dynamic_sampling", "control_grpo"):
+                 "dynamic_sampling", "control_a+b"):
         (tmp_path / "runs" / name).mkdir(parents=True)
     # baselines are what Variant.baseline names (grpo, grpo+..., grpo@...), not every name that starts with grpo
     assert learning.labels_on_disk(tmp_path) == (["dynamic_sampling", "grpo_care", "grpo_lambda"], [["a", "b"]])
@@ -411,6 +414,12 @@ def test_the_best_are_ranked_by_paired_auc_and_only_from_the_complete_grid(tmp_p
     summary = learning.summarise(variants, runs)
     assert summary["b"]["delta_auc"]["mean"] == pytest.approx(0.75 * 0.2)
     assert learning.rank(summary) == ["b", "a"]
+    # cheap:N ranks only the plugins within the goal's time per step (b takes 1.5x its baseline's time here)
+    summary["b"]["time_ratio"] = learning.stats([1.4, 1.5, 1.6])
+    summary["a"]["time_ratio"] = learning.stats([1.0, 1.05, 1.1])
+    assert learning.rank(summary, learning.GOAL_TIME) == ["a"] and learning.rank(summary) == ["b", "a"]
+    summary["a"]["time_ratio"] = learning.stats([1.1, 1.2, 1.3])
+    assert learning.rank(summary, learning.GOAL_TIME) == []
 
     monkeypatch.setattr(learning, "plan", lambda *a: (variants[:3], {}))
     settings = learning.Settings()
