@@ -414,12 +414,19 @@ def test_the_best_are_ranked_by_paired_auc_and_only_from_the_complete_grid(tmp_p
     summary = learning.summarise(variants, runs)
     assert summary["b"]["delta_auc"]["mean"] == pytest.approx(0.75 * 0.2)
     assert learning.rank(summary) == ["b", "a"]
-    # cheap:N ranks only the plugins within the goal's time per step (b takes 1.5x its baseline's time here)
-    summary["b"]["time_ratio"] = learning.stats([1.4, 1.5, 1.6])
-    summary["a"]["time_ratio"] = learning.stats([1.0, 1.05, 1.1])
-    assert learning.rank(summary, learning.GOAL_TIME) == ["a"] and learning.rank(summary) == ["b", "a"]
-    summary["a"]["time_ratio"] = learning.stats([1.1, 1.2, 1.3])
-    assert learning.rank(summary, learning.GOAL_TIME) == []
+    # cheap:N ranks only the plugins whose own runs put them within the goal's time per step: b's extra passes
+    # take half its step (2x its baseline's time at equal tokens), though the measured ratio from another session
+    # says 0.9x; a generates 1.05x the tokens and has no extra pass
+    b_runs = [{**r, "series": {"trl_credit/cost/probe_seconds": [[1, 9.0], [2, 6.0]],
+                               "trl_credit/cost/generation_seconds": [[1, 40.0], [2, 40.0]]},
+               "steps": 2, "seconds_per_step": 15.0} for r in runs["b"]]
+    assert learning.extra_pass_share(b_runs[0]) == pytest.approx(0.5)  # (9 + 6) / 2 steps / 15 s; generation is TRL's
+    a_runs = [{**r, "generated_tokens": 1.05 * r["generated_tokens"]} for r in runs["a"]]
+    timed = learning.summarise(variants, {**runs, "a": a_runs, "b": b_runs})
+    assert timed["b"]["own_time_ratio"]["mean"] == pytest.approx(2.0)
+    assert timed["a"]["own_time_ratio"]["mean"] == pytest.approx(1.05)
+    assert learning.rank(timed, learning.GOAL_TIME) == ["a"] and learning.rank(timed) == ["b", "a"]
+    assert learning.rank(timed, 1.01) == []
 
     monkeypatch.setattr(learning, "plan", lambda *a: (variants[:3], {}))
     settings = learning.Settings()

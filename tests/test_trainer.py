@@ -208,6 +208,8 @@ def test_nothing_is_scored_unless_a_plugin_asks(make_trainer, arithmetic):
     trainer.model.train()
     trainer._generate_and_score_completions(generation_inputs(arithmetic, prompts=2))
     assert calls == []
+    logged = trainer._metrics["train"]
+    assert not [k for k in logged if k.startswith("trl_credit/cost/") and k != "trl_credit/cost/generation_seconds"]
 
 
 def test_scorers_are_lazy_cached_and_match_the_model(make_trainer, arithmetic):
@@ -228,6 +230,9 @@ def test_scorers_are_lazy_cached_and_match_the_model(make_trainer, arithmetic):
     out = trainer._generate_and_score_completions(generation_inputs(arithmetic, prompts=2))
     seen = trainer.credit_plugins.plugins[0].instance.seen
     assert len(calls) == 3  # policy log-probs + entropies share one pass; reference; continuation
+    logged = trainer._metrics["train"]  # every extra pass reports its cost, one value per step
+    for name in ("policy_score_seconds", "reference_score_seconds", "continuation_seconds"):
+        assert len(logged[f"trl_credit/cost/{name}"]) == 1 and logged[f"trl_credit/cost/{name}"][0] > 0, name
 
     ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)

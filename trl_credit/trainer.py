@@ -503,19 +503,25 @@ class TrainerScorer:
                     result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
                 t._cost(f"{adapter[len(KIND_PREFIX):]}_score_seconds", time.perf_counter() - start)
                 return result
+            start = time.perf_counter()
             if not use_reference:
-                return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
-                                                             compute_entropy=True)[:2]
-            if t.ref_model is not None:
-                return t._get_per_token_logps_and_entropies(t.ref_model, input_ids, attention, keep, batch_size)[:2]
-            model = t.accelerator.unwrap_model(t.model)
-            if not hasattr(model, "peft_config"):
-                raise RuntimeError(
-                    "reference log-probs were asked for, but this run has no reference model: set beta > 0 "
-                    "(TRL then loads one) or train a PEFT adapter (the reference is the base with adapters disabled)"
-                )
-            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-                return t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
+                result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
+                                                              compute_entropy=True)[:2]
+            elif t.ref_model is not None:
+                result = t._get_per_token_logps_and_entropies(t.ref_model, input_ids, attention, keep, batch_size)[:2]
+            else:
+                model = t.accelerator.unwrap_model(t.model)
+                if not hasattr(model, "peft_config"):
+                    raise RuntimeError(
+                        "reference log-probs were asked for, but this run has no reference model: set beta > 0 "
+                        "(TRL then loads one) or train a PEFT adapter (the reference is the base with adapters "
+                        "disabled)"
+                    )
+                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                    result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
+            # a pass TRL did not make (its own old / reference log-probs are reused in `token_scores`)
+            t._cost("reference_score_seconds" if use_reference else "policy_score_seconds", time.perf_counter() - start)
+            return result
 
     def token_scores(self, kind: str) -> torch.Tensor:
         out, acc = self.output, self.trainer.accelerator
