@@ -724,13 +724,13 @@ def summarise(variants: list[Variant], results: dict[str, list[dict]]) -> dict[s
         row["delta_final"] = stats([mine[s]["curve"][-1][1] - theirs[s]["curve"][-1][1] for s in seeds])
         row["delta_auc"] = stats([auc(mine[s]["curve"]) - auc(theirs[s]["curve"]) for s in seeds])
         row["time_ratio"] = stats([time_ratio(mine[s], theirs[s]) for s in seeds])
-        row["token_ratio"] = stats([mine[s]["generated_tokens"] / theirs[s]["generated_tokens"] for s in seeds
-                                    if theirs[s]["generated_tokens"]])
+        tokens = {s: mine[s]["generated_tokens"] / theirs[s]["generated_tokens"] for s in seeds
+                  if theirs[s]["generated_tokens"]}  # fmt: skip
+        row["token_ratio"] = stats(list(tokens.values()))
         # the time per step over the baseline's as the plugin's own runs put it, free of the machine's speed in
         # other sessions: its tokens per step over the baseline's, over the share of the step not in extra passes
-        row["own_time_ratio"] = stats([mine[s]["generated_tokens"] / theirs[s]["generated_tokens"]
-                                       / (1.0 - min(extra_pass_share(mine[s]), 0.99)) for s in seeds
-                                       if theirs[s]["generated_tokens"]])  # fmt: skip
+        row["own_time_ratio"] = stats([ratio / (1.0 - min(extra_pass_share(mine[s]), 0.99))
+                                       for s, ratio in tokens.items()])  # fmt: skip
         if seeds:
             # per seed: the baseline's own final accuracy on that seed is the target, and its own total tokens
             # the budget (paired, like every other difference)
@@ -946,8 +946,13 @@ def rank(summary: dict[str, Any], max_time_ratio: float | None = None) -> list[s
     return [label for label, _ in rows]
 
 
-def ranked(settings: Settings, out: Path, work: Path, max_time_ratio: float | None = None) -> list[str]:
+def ranked(settings: Settings, out: Path, work: Path) -> list[str]:
     """`rank` over the finished 3-seed grid on disk; an error naming what is missing while the grid is partial."""
+    return rank(grid_summary(settings, out, work))
+
+
+def grid_summary(settings: Settings, out: Path, work: Path) -> dict[str, Any]:
+    """`summarise` of the finished 3-seed grid on disk (what `rank` reads); an error while the grid is partial."""
     variants, _ = plan(settings, None, [], work, False)
     done = {(v.label, seed): finished(settings, v, seed, out) for v in variants for seed in GRID_SEEDS}
     missing = [f"{label}/seed{seed}" for (label, seed), result in done.items() if result is None]
@@ -958,7 +963,7 @@ def ranked(settings: Settings, out: Path, work: Path, max_time_ratio: float | No
     results: dict[str, list[dict]] = {}
     for (label, _), result in done.items():
         results.setdefault(label, []).append(result)
-    return rank(summarise(variants, results), max_time_ratio)
+    return summarise(variants, results)
 
 
 def best_combo(settings: Settings, ranking: list[str], n: int, work: Path) -> list[str]:
@@ -1190,11 +1195,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out or HERE / "results" / "learning")
     work = Path(args.work or (out / "work" if args.quick else ROOT / "runs" / "learning"))
     out.mkdir(parents=True, exist_ok=True)
-    ranking = ranked(settings, out, work) if chosen else []
+    grid = grid_summary(settings, out, work) if chosen else {}
+    ranking, cheap = rank(grid), rank(grid, GOAL_TIME)
     if chosen:
         _log(f"the finished grid's plugins by paired Δ AUC: {', '.join(ranking)}")
     if any(c.startswith("cheap:") for c in args.combo):
-        cheap = ranked(settings, out, work, GOAL_TIME)
         _log(f"of them within {GOAL_TIME}x their baseline's time per step by their own runs: {', '.join(cheap)}")
 
     def chosen_combo(spec: str) -> list[str]:

@@ -497,14 +497,13 @@ class TrainerScorer:
         keep = out["completion_ids"].shape[1]
         batch_size = t.args.per_device_train_batch_size
         with torch.no_grad(), disable_gradient_checkpointing(t.model, t.args.gradient_checkpointing_kwargs):
+            # a pass TRL did not make (its own old / reference log-probs are reused in `token_scores`): its cost
+            kind = adapter[len(KIND_PREFIX):] if adapter is not None else "reference" if use_reference else "policy"
+            start = time.perf_counter()
             if adapter is not None:
-                start = time.perf_counter()
                 with use_adapter(t.accelerator.unwrap_model(t.model), adapter_name=peft_name(adapter)):
                     result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
-                t._cost(f"{adapter[len(KIND_PREFIX):]}_score_seconds", time.perf_counter() - start)
-                return result
-            start = time.perf_counter()
-            if not use_reference:
+            elif not use_reference:
                 result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size,
                                                               compute_entropy=True)[:2]
             elif t.ref_model is not None:
@@ -519,8 +518,7 @@ class TrainerScorer:
                     )
                 with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
                     result = t._get_per_token_logps_and_entropies(t.model, input_ids, attention, keep, batch_size)[:2]
-            # a pass TRL did not make (its own old / reference log-probs are reused in `token_scores`)
-            t._cost("reference_score_seconds" if use_reference else "policy_score_seconds", time.perf_counter() - start)
+            t._cost(f"{kind}_score_seconds", time.perf_counter() - start)
             return result
 
     def token_scores(self, kind: str) -> torch.Tensor:
